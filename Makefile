@@ -1,0 +1,51 @@
+# Ferry: `make run` starts a local cluster, `make test` runs lint and the tests.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ferry-installed
+TORCH_VERSION := 2.13.0
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+# pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
+QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+.PHONY: setup run test lint format pytest bench clean redis
+
+setup: $(STAMP) redis
+
+# Re-install when pyproject.toml changes; torch first so nothing pulls a CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip 2>&1 | $(QUIET)
+	$(PIP) "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
+	$(PIP) -e '.[dev]' 2>&1 | $(QUIET)
+	@touch $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (apt-get)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+run: setup
+	$(VENV)/bin/ferry up
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy services gateway kernels infra protos
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+pytest: setup
+	$(VENV)/bin/pytest -q tests
+
+test: lint pytest
+
+bench: setup
+	@echo "no benchmarks yet"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,97 @@
+"""Ops the model calls. Each function resolves its implementation through
+:mod:`kernels.dispatch` on every call, so the model never knows which backend ran.
+The contracts (shapes, dtypes) are documented on the torch references."""
+
+from __future__ import annotations
+
+import torch
+
+# Importing the backends registers them.
+from kernels import fused_moe as _fused_moe
+from kernels import mla_decode as _mla_decode
+from kernels import mla_prefill as _mla_prefill
+from kernels import moe_routing as _moe_routing
+from kernels import rmsnorm as _rmsnorm
+from kernels.dispatch import get_backend, implementations, resolve, set_backend
+
+_REFERENCES = (_fused_moe, _mla_decode, _mla_prefill, _moe_routing, _rmsnorm)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out: torch.Tensor = resolve("rms_norm", x.device)(x, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, summed = resolve("add_rms_norm", x.device)(x, residual, weight, eps)
+    return normed, summed
+
+
+def moe_route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fn = resolve("moe_route", router_logits.device)
+    weights, ids = fn(
+        router_logits,
+        correction_bias,
+        top_k,
+        n_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor,
+    )
+    return weights, ids
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_slots: torch.Tensor,
+) -> torch.Tensor:
+    out: torch.Tensor = resolve("fused_moe", hidden.device)(
+        hidden, w13, w2, topk_weights, topk_slots
+    )
+    return out
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    fn = resolve("mla_decode", q.device)
+    out: torch.Tensor = fn(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    out: torch.Tensor = resolve("prefill_attention", q.device)(q, k, v, softmax_scale)
+    return out
+
+
+__all__ = [
+    "add_rms_norm",
+    "fused_moe",
+    "get_backend",
+    "implementations",
+    "mla_decode",
+    "moe_route",
+    "prefill_attention",
+    "rms_norm",
+    "set_backend",
+]

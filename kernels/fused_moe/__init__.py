@@ -1,0 +1,3 @@
+from kernels.fused_moe.reference import fused_moe_torch
+
+__all__ = ["fused_moe_torch"]

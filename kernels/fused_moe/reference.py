@@ -1,0 +1,43 @@
+"""Routed experts: SiLU-gated MLPs held in physical slots, applied to the tokens routed to them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import register
+
+
+@register("fused_moe", "torch")
+def fused_moe_torch(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_slots: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{slot[t, k]}(hidden[t]).
+
+    hidden: [num_tokens, hidden]; w13: [num_slots, 2 * inter, hidden] (gate rows, then up rows);
+    w2: [num_slots, hidden, inter]; topk_weights: [num_tokens, top_k] float32;
+    topk_slots: [num_tokens, top_k] int64, a slot id per choice, or -1 for "not on this rank".
+    """
+    num_tokens, top_k = topk_slots.shape
+    out = torch.zeros_like(hidden)
+    if num_tokens == 0:
+        return out
+    flat_slots = topk_slots.reshape(-1)
+    order = torch.argsort(flat_slots, stable=True)
+    counts = torch.bincount(flat_slots + 1, minlength=w13.shape[0] + 1)[1:]
+    offsets = counts.cumsum(0) - counts
+    skip = int((flat_slots < 0).sum())
+    token_of = order // top_k  # token index of each sorted choice
+    flat_weights = topk_weights.reshape(-1)
+    for slot in torch.nonzero(counts).flatten().tolist():
+        start = skip + int(offsets[slot])
+        idx = order[start : start + int(counts[slot])]
+        tokens = token_of[start : start + int(counts[slot])]
+        gate, up = F.linear(hidden[tokens], w13[slot]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[slot])  # [n, hidden]
+        out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(out.dtype))
+    return out

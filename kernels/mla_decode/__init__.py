@@ -1,0 +1,3 @@
+from kernels.mla_decode.reference import mla_decode_torch
+
+__all__ = ["mla_decode_torch"]

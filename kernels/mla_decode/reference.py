@@ -1,0 +1,38 @@
+"""Absorbed MLA attention over the paged latent cache (the decode path)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import register
+
+
+@register("mla_decode", "torch")
+def mla_decode_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """One query per request attends to its whole paged context.
+
+    q: [batch, heads, kv_lora_rank + rope_dim] (q_nope already multiplied by W_UK);
+    kv_cache: [num_blocks, block_size, kv_lora_rank + rope_dim] for one layer;
+    block_tables: [batch, max_blocks] int; seq_lens: [batch] int (tokens of context, >= 1).
+    Returns [batch, heads, kv_lora_rank]: softmax(q·kᵀ·scale) · c_kv, W_UV not yet applied.
+    NOTE: the cache is zero-initialised, so positions past seq_len read finite values and the
+    masked softmax gives them weight 0 without NaNs.
+    """
+    batch = q.shape[0]
+    block_size = kv_cache.shape[1]
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].clamp(min=0).long()
+    kv = kv_cache[tables].reshape(batch, num_blocks * block_size, -1)[:, :max_len]  # [B, L, D]
+    scores = torch.einsum("bhd,bld->bhl", q, kv).float() * softmax_scale
+    pos = torch.arange(max_len, device=q.device)
+    scores.masked_fill_(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.einsum("bhl,bld->bhd", probs, kv[..., :kv_lora_rank])

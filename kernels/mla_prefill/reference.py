@@ -1,0 +1,27 @@
+"""Expanded attention for a chunk of new tokens over their full context (the prefill path)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import register
+
+
+@register("prefill_attention", "torch")
+def prefill_attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """Causal attention where the queries are the *last* ``q_len`` positions of the context.
+
+    q: [heads, q_len, qk_dim]; k: [heads, ctx_len, qk_dim]; v: [heads, ctx_len, v_dim], with
+    q_len <= ctx_len. Query i sits at position ctx_len - q_len + i. Returns [q_len, heads, v_dim].
+    """
+    q_len, ctx_len = q.shape[1], k.shape[1]
+    if q_len == ctx_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+    else:
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+    return out.transpose(0, 1)

@@ -1,0 +1,42 @@
+"""DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k, scaled weights."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import register
+
+
+@register("moe_route", "torch")
+def moe_route_torch(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick ``top_k`` logical experts per token.
+
+    router_logits: [num_tokens, num_experts] float32. The correction bias only steers *which*
+    experts are chosen; the weights come from the unbiased sigmoid scores. Groups are ranked by the
+    sum of their two best biased scores and only the ``topk_group`` best groups are eligible.
+    Returns (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64).
+    """
+    scores = router_logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    num_tokens, num_experts = choice.shape
+    if n_group > 1:
+        grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, group_idx, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids

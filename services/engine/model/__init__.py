@@ -1,0 +1,73 @@
+"""The DeepSeek-V3 model runtime: ``load_model`` and ``prompt_logits`` are the public entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from services.engine.experts import ExpertPlacement
+from services.engine.model.config import ConfigError, ModelConfig, RopeScaling
+from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from services.engine.model.forward_batch import AttentionPath, ForwardBatch
+from services.engine.model.loader import LoaderError, export_preset, load_checkpoint, load_preset
+from services.engine.model.presets import PRESETS
+
+
+def load_model(
+    source: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    placement: ExpertPlacement | None = None,
+) -> DeepseekV3ForCausalLM:
+    """A preset name (``tiny``, ``small``) or a HF checkpoint directory."""
+    if isinstance(source, str) and source in PRESETS:
+        return load_preset(source, dtype, device, placement)
+    path = Path(source)
+    if not path.is_dir():
+        raise LoaderError(
+            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    return load_checkpoint(path, dtype, device, placement)
+
+
+@torch.inference_mode()
+def prompt_logits(
+    model: DeepseekV3ForCausalLM,
+    token_ids: Sequence[int],
+    block_size: int = 64,
+    attention: AttentionPath = "auto",
+) -> torch.Tensor:
+    """Logits for every position of one prompt, [len(token_ids), vocab_size] float32, through the
+    paged cache path the engine uses (a private cache of just enough blocks)."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("prompt_logits needs at least one token")
+    vocab = model.config.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    num_blocks = (n + block_size - 1) // block_size
+    cache = model.allocate_kv_cache(num_blocks, block_size)
+    batch = ForwardBatch.build(
+        [n], [0], [list(range(num_blocks))], block_size, attention, model.device
+    )
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
+    return model.compute_logits(model(ids, batch, cache))
+
+
+__all__ = [
+    "PRESETS",
+    "AttentionPath",
+    "ConfigError",
+    "DeepseekV3ForCausalLM",
+    "ExpertPlacement",
+    "ForwardBatch",
+    "LoaderError",
+    "ModelConfig",
+    "RopeScaling",
+    "export_preset",
+    "load_model",
+    "prompt_logits",
+]

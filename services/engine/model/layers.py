@@ -1,0 +1,194 @@
+"""Building blocks of the DeepSeek-V3 decoder: RMSNorm, dense MLP, MLA attention, DeepSeekMoE.
+
+Parameter names follow the HF checkpoints (``self_attn.kv_a_proj_with_mqa`` ...), except the routed
+experts, which are stacked per physical slot (``experts.w13``, ``experts.w2``); the loader maps
+``experts.{e}.{gate,up,down}_proj`` onto them through the ExpertPlacement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels as ops
+from services.engine.experts import ExpertPlacement
+from services.engine.model.config import ModelConfig
+from services.engine.model.forward_batch import DecodeQueries, ForwardBatch, PrefillSpan
+from services.engine.model.rope import RotaryEmbedding
+
+# DeepSeek's q/kv latent norms use a fixed eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention over a paged cache of ``c_kv ‖ k_rope`` latents."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        self.kv_lora_rank = c.kv_lora_rank
+        self.softmax_scale = c.softmax_scale
+        q_out = self.num_heads * c.qk_head_dim
+        self.q_lora = c.q_lora_rank is not None
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_cache_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [num_tokens, hidden]; kv_cache: [num_blocks, block_size, kv_cache_dim] of this layer,
+        written at ``batch.slot_mapping`` before it is read."""
+        num_tokens = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        cos, sin = cos_sin
+        q_rope = rope.apply(q_rope, cos, sin)
+        k_rope = rope.apply(k_rope[:, None, :], cos, sin)[:, 0]
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)  # [T, kv_cache_dim]
+        kv_cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.dtype)
+
+        out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
+        for span in batch.prefill:
+            rows = slice(span.q_start, span.q_end)
+            out[rows] = self._expanded(q_nope[rows], q_rope[rows], kv_cache, span)
+        if batch.decode is not None:
+            idx = batch.decode.token_index
+            out[idx] = self._absorbed(q_nope[idx], q_rope[idx], kv_cache, batch.decode)
+        return self.o_proj(out.view(num_tokens, -1))
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        latent = kv_cache[span.block_ids].view(-1, kv_cache.shape[-1])[: span.ctx_len]
+        c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(span.ctx_len, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        # [heads, len, dim] views for the attention op; output [q_len, heads, v_dim]
+        return ops.prefill_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.softmax_scale
+        )
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeQueries
+    ) -> torch.Tensor:
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank
+        )
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)  # [B, heads, kv_lora_rank]
+        q = torch.cat((q_latent, q_rope), dim=-1)  # [B, heads, kv_cache_dim]
+        o_latent = ops.mla_decode(
+            q, kv_cache, dec.block_tables, dec.seq_lens, self.softmax_scale, self.kv_lora_rank
+        )
+        return torch.einsum("bhl,hvl->bhv", o_latent, w_uv)  # [B, heads, v_dim]
+
+
+class Router(nn.Module):
+    """The MoE gate. Kept in float32, as DeepSeek runs it, whatever the model's dtype."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h = config.n_routed_experts, config.hidden_size
+        self.weight = nn.Parameter(torch.empty(e, h, dtype=torch.float32))
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts held on this rank, one row per physical slot."""
+
+    def __init__(self, num_slots: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_slots, 2 * inter, hidden))  # gate rows, up rows
+        self.w2 = nn.Parameter(torch.empty(num_slots, hidden, inter))
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: group-limited top-k routed experts plus always-on shared experts."""
+
+    def __init__(self, config: ModelConfig, moe_layer: int, placement: ExpertPlacement) -> None:
+        super().__init__()
+        self.config = config
+        self.moe_layer = moe_layer  # index among MoE layers (the placement's row)
+        self.placement = placement
+        self.gate = Router(config)
+        inter = config.moe_intermediate_size
+        self.experts = RoutedExperts(placement.slots_per_rank, config.hidden_size, inter)
+        self.shared_experts = (
+            MLP(config.hidden_size, inter * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        logits = F.linear(x.float(), self.gate.weight)  # [T, n_routed_experts] float32
+        weights, ids = ops.moe_route(
+            logits,
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+        slots = self.placement.select_slots(self.moe_layer, ids)
+        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

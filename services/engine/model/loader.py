@@ -1,0 +1,268 @@
+"""Weights: HF safetensors checkpoints (one file or an index of shards, bf16/fp32 or FP8 e4m3
+block-quantized), the seeded presets, and export of a preset as a checkpoint.
+
+Every error names the file and the tensor at fault; none is a bare KeyError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from services.engine.experts import ExpertPlacement
+from services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_shapes, is_ignored
+from services.engine.model.config import ConfigError, ModelConfig
+from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from services.engine.model.layers import MoE
+from services.engine.model.presets import PRESETS, random_state_dict
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class LoaderError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and tensor."""
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise LoaderError(f"{path}: no config.json (is this a HF checkpoint directory?)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LoaderError(f"{cfg_file}: not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf_dict(raw, source=str(cfg_file))
+    except ConfigError as e:
+        raise LoaderError(str(e)) from None
+
+
+def build_empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    placement: ExpertPlacement | None,
+) -> DeepseekV3ForCausalLM:
+    """Uninitialised parameters in ``dtype``; the router stays float32."""
+    if placement is None:
+        placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config, placement)
+    model.to_empty(device=device)
+    model.to(dtype)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gate.float()
+    return model.eval().requires_grad_(False)
+
+
+class _Targets:
+    """Where each checkpoint tensor goes in the model: a parameter, or expert slot rows."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM) -> None:
+        self.config = model.config
+        self.placement = model.placement
+        self.state = dict(model.named_parameters()) | dict(model.named_buffers())
+        self.expected = checkpoint_shapes(model.config)
+        self.seen: set[str] = set()
+        moe_ids = model.config.moe_layer_ids
+        self._moe_index = {layer: i for i, layer in enumerate(moe_ids)}
+        # (moe layer, logical expert) -> local slot rows holding it
+        self._slots: dict[tuple[int, int], list[int]] = {}
+        for i in range(model.placement.num_moe_layers):
+            for local, expert in enumerate(model.placement.local_experts(i)):
+                self._slots.setdefault((i, expert), []).append(local)
+
+    def load(self, name: str, tensor: torch.Tensor, file: str) -> None:
+        want = self.expected.get(name)
+        if want is None:
+            raise LoaderError(
+                f"{file}: unknown tensor '{name}' for a {self.config.num_hidden_layers}-layer deepseek_v3"
+            )
+        if tuple(tensor.shape) != want:
+            raise LoaderError(
+                f"{file}: tensor '{name}' has shape {list(tensor.shape)}, config.json implies {list(want)}"
+            )
+        if name in self.seen:
+            raise LoaderError(f"{file}: tensor '{name}' appears twice in the checkpoint")
+        self.seen.add(name)
+        m = EXPERT_RE.fullmatch(name)
+        if m is None:
+            with torch.no_grad():
+                self.state[name].copy_(tensor)
+            return
+        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+        prefix = f"model.layers.{layer}.mlp.experts."
+        inter = self.config.moe_intermediate_size
+        for slot in self._slots.get((self._moe_index[layer], expert), []):
+            with torch.no_grad():
+                if proj == "down":
+                    self.state[prefix + "w2"][slot].copy_(tensor)
+                else:
+                    rows = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
+                    self.state[prefix + "w13"][slot, rows].copy_(tensor)
+
+    def finish(self, where: str) -> None:
+        missing = [n for n in self.expected if n not in self.seen]
+        if missing == ["lm_head.weight"] and self.config.tie_word_embeddings:
+            with torch.no_grad():
+                self.state["lm_head.weight"].copy_(self.state["model.embed_tokens.weight"])
+            return
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise LoaderError(f"{where}: missing tensor(s) {', '.join(missing[:3])}{more}")
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str, file: str
+) -> torch.Tensor:
+    """weight [rows, cols] e4m3 times its per-block scale [ceil(rows/b0), ceil(cols/b1)]."""
+    rows, cols = weight.shape
+    want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(scale_inv.shape) != want:
+        raise LoaderError(
+            f"{file}: '{name}{SCALE_SUFFIX}' has shape {list(scale_inv.shape)}, "
+            f"expected {list(want)} for {block[0]}x{block[1]} blocks"
+        )
+    scale = (
+        scale_inv.float()
+        .repeat_interleave(block[0], 0)[:rows]
+        .repeat_interleave(block[1], 1)[:, :cols]
+    )
+    return weight.float() * scale
+
+
+def _shard_map(path: Path) -> dict[str, str]:
+    """tensor name -> shard file name."""
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise LoaderError(f"{index}: not a safetensors index ({e})") from None
+        for tensor, shard in weight_map.items():
+            if not (path / shard).exists():
+                raise LoaderError(
+                    f"{path}: shard '{shard}' listed in {INDEX_FILE} is missing (it holds '{tensor}')"
+                )
+        return weight_map
+    single = path / SINGLE_FILE
+    if not single.exists():
+        raise LoaderError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def _read_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor Ferry uses, FP8 weights already dequantized."""
+    weight_map = _shard_map(path)
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def get(name: str) -> torch.Tensor:
+            shard = weight_map[name]
+            if shard not in handles:
+                handles[shard] = stack.enter_context(safe_open(str(path / shard), framework="pt"))
+            tensor: torch.Tensor = handles[shard].get_tensor(name)
+            return tensor
+
+        for name in sorted(weight_map, key=lambda n: (weight_map[n], n)):
+            if name.endswith(SCALE_SUFFIX) or is_ignored(name, config):
+                continue
+            tensor, file = get(name), weight_map[name]
+            if tensor.dtype in FP8_DTYPES:
+                scale_name = name + SCALE_SUFFIX
+                if scale_name not in weight_map:
+                    raise LoaderError(f"{file}: FP8 tensor '{name}' has no '{scale_name}'")
+                tensor = dequantize_fp8(
+                    tensor, get(scale_name), config.fp8_block_size or (128, 128), name, file
+                )
+            yield name, tensor, file
+
+
+def load_weights(
+    model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]], where: str
+) -> DeepseekV3ForCausalLM:
+    targets = _Targets(model)
+    for name, tensor, file in tensors:
+        targets.load(name, tensor, file)
+    targets.finish(where)
+    return model
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    placement: ExpertPlacement | None = None,
+) -> DeepseekV3ForCausalLM:
+    path = Path(path)
+    config = read_config(path)
+    model = build_empty_model(config, dtype, device, placement)
+    return load_weights(model, _read_tensors(path, config), str(path))
+
+
+def load_preset(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    placement: ExpertPlacement | None = None,
+) -> DeepseekV3ForCausalLM:
+    preset = PRESETS[name]
+    model = build_empty_model(preset.config, dtype, device, placement)
+    tensors = ((n, t, f"preset:{name}") for n, t in random_state_dict(preset).items())
+    return load_weights(model, tensors, f"preset:{name}")
+
+
+def save_checkpoint(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write config.json and safetensors (sharded with an index past ``max_shard_bytes``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    state = {k: v.contiguous() for k, v in state.items()}
+    if max_shard_bytes is None:
+        save_file(state, str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = None) -> Path:
+    """Write preset ``name`` as a HF checkpoint that transformers and Ferry both load."""
+    from services.engine.tokenizer import write_byte_tokenizer_json
+
+    preset = PRESETS[name]
+    save_checkpoint(preset.config, random_state_dict(preset), path, max_shard_bytes)
+    write_byte_tokenizer_json(Path(path))
+    return Path(path)

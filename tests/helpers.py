@@ -1,0 +1,114 @@
+"""Helpers shared by the tests: random HF checkpoints and FP8 quantization."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_HF: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 1024,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+}
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def make_hf_checkpoint(
+    path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+) -> Path:
+    """Save a random transformers DeepseekV3ForCausalLM. Router weights are drawn wide and the
+    correction bias random, so that expert choices have clear margins and the bias matters;
+    attention weights are drawn at unit gain so that attention is sharp and a wrong softmax
+    scale or rotary embedding shows in the logits."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kw = dict(TINY_HF)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_((torch.rand(buf.shape, generator=gen) - 0.5) * 0.2)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]) * 3)
+            elif ".self_attn." in name and p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]) * 1.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).abs().max() / theirs.abs().max())
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style e4m3 weight plus weight_scale_inv, one scale per block x block tile."""
+    rows, cols = w.shape
+    nr, nc = math.ceil(rows / block), math.ceil(cols / block)
+    scale = torch.empty(nr, nc)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            s = float(tile.abs().max().clamp(min=1e-12)) / 448.0
+            scale[i, j] = s
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s).to(
+                torch.float8_e4m3fn
+            )
+    return q, scale
+
+
+def rewrite_config(path: Path, **changes: Any) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
