@@ -46,12 +46,17 @@ YARN = {
 
 
 def make_hf_checkpoint(
-    path: Path, seed: int = 0, max_shard_size: str | None = None, **overrides: Any
+    path: Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    lm_head_scale: float = 1.0,
+    **overrides: Any,
 ) -> Path:
     """Save a random transformers DeepseekV3ForCausalLM. Router weights are drawn wide and the
     correction bias random, so that expert choices have clear margins and the bias matters;
     attention weights are drawn at unit gain so that attention is sharp and a wrong softmax
-    scale or rotary embedding shows in the logits."""
+    scale or rotary embedding shows in the logits. ``lm_head_scale`` > 1 widens the logit
+    margins so that greedy decoding has no near-ties that float noise could flip."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     kw = dict(TINY_HF)
@@ -70,6 +75,7 @@ def make_hf_checkpoint(
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]) * 1.5)
             elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        model.lm_head.weight.mul_(lm_head_scale)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
@@ -112,3 +118,20 @@ def rewrite_config(path: Path, **changes: Any) -> None:
         else:
             cfg[k] = v
     (path / "config.json").write_text(json.dumps(cfg))
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' generate, greedy, one prompt at a time, never stopping early."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            # an explicit mask: without one, generate masks every token equal to pad_token_id
+            seq = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            outs.append(seq[0, len(ids) :].tolist())
+    return outs

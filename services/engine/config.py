@@ -1,0 +1,58 @@
+"""EngineConfig: what one engine instance runs and how much it may hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # preset name or HF checkpoint directory
+    block_size: int = 64  # tokens per KV block (FlashMLA's page)
+    num_kv_blocks: int | None = None  # exact cache size; wins over kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # cache budget; default 512 MiB
+    max_num_seqs: int = 256  # running sequences per step
+    max_num_batched_tokens: int = 2048  # tokens (decode + prefill chunks) per step
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    device: str = "cpu"
+    seed: int = 0  # for requests that sample without a seed of their own
+
+    def __post_init__(self) -> None:
+        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size={self.block_size}: must be in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def num_blocks_for(self, bytes_per_block: int) -> int:
+        """Cache size in blocks: ``num_kv_blocks``, else as many as the memory budget holds."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block ({bytes_per_block} bytes each)"
+            )
+        return int(blocks)

@@ -1,0 +1,212 @@
+"""Engine: requests in, tokens out, one step at a time.
+
+A step plans which requests run (``StepPlanner``), runs one model forward over their new tokens
+on the paged latent cache, samples a token for every request whose tokens are all computed, and
+updates each request's text and finish state. The engine is single-threaded and synchronous;
+``AsyncEngine`` drives it from a background thread for services.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.kv_cache import KVCacheManager
+from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
+from services.engine.output_processor import OutputProcessor, make_output
+from services.engine.request import Request, RequestOutput, Status
+from services.engine.sampler import Sampler
+from services.engine.sampling_params import SamplingParams
+from services.engine.step_planner import StepPlan, StepPlanner
+from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model: DeepseekV3ForCausalLM = load_model(
+            config.model, config.torch_dtype, config.device
+        )
+        mc = self.model.config
+        self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        bytes_per_block = (
+            mc.num_hidden_layers * config.block_size * mc.kv_cache_dim * config.torch_dtype.itemsize
+        )
+        num_blocks = config.num_blocks_for(bytes_per_block)
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
+        self.model_fingerprint = _fingerprint(config, self.model)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.model_fingerprint.encode(),
+        )
+        self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = mc.eos_token_ids or (
+            () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        )
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.outputs = OutputProcessor(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request that can never run; return its token limit."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if n >= limit:
+                raise ValueError(f"the prompt has {n} tokens; the model's limit is {limit}")
+            total = limit
+        else:
+            total = n + params.max_tokens
+            if total > limit:
+                raise ValueError(
+                    f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                    f"the model's limit of {limit} tokens"
+                )
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"{total} tokens need {self.kv.blocks_needed(total)} KV blocks; the cache has "
+                f"{self.kv.num_blocks} (raise num_kv_blocks or kv_cache_memory_bytes)"
+            )
+        return total
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        total = self.validate(prompt_token_ids, params)
+        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_total_tokens=total,
+            detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
+            arrival=next(self._arrivals),
+            generator=gen,
+        )
+        self.requests[request_id] = req
+        self.planner.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.finish_reason = "abort"
+        self._finish(req)
+        return make_output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.planner.plan()
+        self.num_preemptions += len(plan.preempted)
+        if not plan:
+            return []
+        logits, sampling = self._forward(plan)
+        outputs: list[RequestOutput] = []
+        if sampling:
+            result = self.sampler(logits, sampling)
+            for req, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
+                delta = self.outputs.append(req, token, lp)
+                if req.finish_reason is not None:
+                    self._finish(req)
+                outputs.append(make_output(req, [token], delta))
+        return outputs
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request]]:
+        """Run the model on the plan's new tokens; return logits of the requests that sample."""
+        input_ids: list[int] = []
+        rows: list[int] = []
+        sampling: list[Request] = []
+        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            input_ids.extend(req.token_slice(start, start + n))
+            if start + n == req.num_tokens:
+                rows.append(len(input_ids) - 1)
+                sampling.append(req)
+        device = self.model.device
+        batch = ForwardBatch.build(
+            plan.num_new_tokens,
+            [r.num_computed_tokens for r in plan.requests],
+            [r.block_ids for r in plan.requests],
+            self.config.block_size,
+            device=device,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=device), batch, self.kv_cache)
+        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+            self.kv.commit(req)
+        if not rows:
+            return hidden.new_empty(0), sampling
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu(), sampling
+
+    def _finish(self, req: Request) -> None:
+        self.planner.remove(req)
+        req.status = Status.FINISHED
+        del self.requests[req.request_id]
+
+    # ---- offline use ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (text, or token ids) to completion; outputs in prompt order."""
+        plist = (
+            list(params)
+            if isinstance(params, Sequence)
+            else [params or SamplingParams()] * len(prompts)
+        )
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_lists, plist, strict=True):
+            self.validate(ids, p)
+        base = next(self._arrivals)
+        ids_ = [f"generate-{base}-{i}" for i in range(len(prompts))]
+        for rid, ids, p in zip(ids_, token_lists, plist, strict=True):
+            self.add_request(rid, ids, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids_):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids_]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.requests.values())
+
+
+def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
+    """Names the model and cache layout: blocks hashed under one fingerprint are reusable only
+    by an engine with the same one."""
+    desc = json.dumps(
+        {"model": config.model, "dtype": config.dtype, "block_size": config.block_size,
+         "config": model.config.to_hf_dict()},
+        sort_keys=True,
+    )  # fmt: skip
+    return hashlib.sha256(desc.encode()).hexdigest()[:16]

@@ -1,0 +1,195 @@
+"""Paged MLA latent cache bookkeeping: a reference-counted block pool with prefix caching.
+
+The cache tensor itself is ``[num_layers, num_blocks, block_size, kv_lora_rank + rope_dim]`` and
+is owned by the engine; this module decides which blocks each request uses. A full block is
+identified by a chained hash of (parent block's hash, its token ids, a salt naming the model), so
+two requests that share a prefix share its blocks. Blocks no request references stay *cached*
+(findable by hash) until the pool needs them, oldest first (LRU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from services.engine.request import Request
+
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, token_ids: Sequence[int], salt: bytes) -> int:
+    """64-bit chained block hash (stable across processes, so workers and schedulers agree)."""
+    h = hashlib.blake2b(digest_size=8, key=salt[:64])
+    h.update(parent.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockPool:
+    """Reference counts, the hash index and the LRU queue of unreferenced blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Unreferenced blocks, least recently freed first; never-used blocks come first.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (plain free plus evictable cached)."""
+        return len(self.free)
+
+    def take_new(self) -> int:
+        """An unreferenced block for new content; evicts its cached hash if it had one."""
+        block, _ = self.free.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:
+            del self.hash_to_block[old]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def take_cached(self, block: int) -> None:
+        """Reference a cached block found by hash (it may be unreferenced or shared)."""
+        if self.ref_count[block] == 0:
+            del self.free[block]
+        self.ref_count[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Make a just-filled block findable by hash, unless another block already holds it."""
+        if block_hash not in self.hash_to_block and self.block_hash[block] is None:
+            self.hash_to_block[block_hash] = block
+            self.block_hash[block] = block_hash
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        salt: bytes = b"",
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt or b"ferry"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, req: Request) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of ``req``'s tokens, leaving at least one
+        token to compute (its logits are needed). Returns (block ids, their hashes)."""
+        if not self.enable_prefix_caching:
+            return [], []
+        tokens = req.all_token_ids
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
+            block = self.pool.hash_to_block.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def allocate(
+        self, req: Request, num_new_tokens: int, cached: tuple[list[int], list[int]] = ([], [])
+    ) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens, first taking the prefix blocks
+        ``cached`` (from :meth:`match_prefix`, only for a request that holds no block yet).
+        Returns False, changing nothing, when the pool is too small."""
+        cached_blocks, cached_hashes = cached
+        have = len(req.block_ids) + len(cached_blocks)
+        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        new = max(0, self.blocks_needed(total) - have)
+        reclaim = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
+        if new > self.pool.num_free - reclaim:
+            return False
+        for block in cached_blocks:
+            self.pool.take_cached(block)
+        req.block_ids.extend(cached_blocks)
+        req.block_hashes.extend(cached_hashes)
+        req.block_ids.extend(self.pool.take_new() for _ in range(new))
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Register the hashes of ``req``'s blocks that its computed tokens have just filled."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        if full <= len(req.block_hashes):
+            return
+        tokens = req.all_token_ids
+        parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+        for i in range(len(req.block_hashes), full):
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
+            req.block_hashes.append(parent)
+            self.pool.register(req.block_ids[i], parent)
+
+    def free(self, req: Request) -> None:
+        """Drop ``req``'s references, tail first so that its last blocks are evicted first."""
+        self.pool.release(reversed(req.block_ids))
+        req.block_ids = []
+        req.block_hashes = []
+
+    def check_integrity(self, live: Iterable[Request] = ()) -> None:
+        """free + cached + in use == total; reference counts equal the live requests' holdings."""
+        pool = self.pool
+        holders = [0] * pool.num_blocks
+        for req in live:
+            if len(set(req.block_ids)) != len(req.block_ids):
+                raise AssertionError(f"request {req.request_id} holds a block twice")
+            for b in req.block_ids:
+                holders[b] += 1
+        if holders != pool.ref_count:
+            bad = next(
+                i for i, (h, r) in enumerate(zip(holders, pool.ref_count, strict=True)) if h != r
+            )
+            raise AssertionError(
+                f"block {bad}: ref_count {pool.ref_count[bad]}, held {holders[bad]} times"
+            )
+        in_use = sum(1 for r in pool.ref_count if r > 0)
+        unreferenced = {b for b in range(pool.num_blocks) if pool.ref_count[b] == 0}
+        if unreferenced != set(pool.free):
+            raise AssertionError("free queue differs from the unreferenced blocks")
+        cached = sum(1 for b in unreferenced if pool.block_hash[b] is not None)
+        plain_free = len(unreferenced) - cached
+        if plain_free + cached + in_use != pool.num_blocks:
+            raise AssertionError("free + cached + in use != total")
+        for h, b in pool.hash_to_block.items():
+            if pool.block_hash[b] != h:
+                raise AssertionError(f"hash index names block {b} for a hash it does not hold")
+
+    def usage(self) -> dict[str, int]:
+        pool = self.pool
+        cached = sum(1 for b in pool.free if pool.block_hash[b] is not None)
+        return {
+            "total": pool.num_blocks,
+            "in_use": pool.num_blocks - pool.num_free,
+            "cached": cached,
+            "free": pool.num_free - cached,
+        }

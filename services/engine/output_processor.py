@@ -1,0 +1,65 @@
+"""Turns each sampled token into request state: text, logprobs, stop checks, finish reason."""
+
+from __future__ import annotations
+
+from services.engine.request import Request, RequestOutput
+
+
+class OutputProcessor:
+    """Stop strings are matched on the detokenized text and never emitted. Text that could still
+    be the start of a stop string is held back (``pending_text``) until it cannot be."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    def append(self, req: Request, token: int, logprobs: dict[int, float] | None) -> str:
+        """Record ``token``; set ``req.finish_reason`` when it ends the request. Returns the text
+        this token releases."""
+        p = req.params
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs = [*(req.logprobs or []), logprobs]
+        n_out = len(req.output_token_ids)
+        can_stop = n_out >= p.min_tokens
+        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif can_stop and token in p.stop_token_ids:
+            req.finish_reason, req.stop_reason = "stop", token
+        pending = req.pending_text + req.detokenizer.push([token])
+        if p.stop and can_stop:
+            for stop in p.stop:
+                at = pending.find(stop)
+                if at >= 0:
+                    req.finish_reason, req.stop_reason = "stop", stop
+                    return self._emit(req, pending[:at], "")
+        if req.finish_reason is None and (
+            (p.max_tokens is not None and n_out >= p.max_tokens)
+            or req.num_tokens >= req.max_total_tokens
+        ):
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            return self._emit(req, pending + req.detokenizer.flush(), "")
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        cut = max(0, len(pending) - hold)
+        return self._emit(req, pending[:cut], pending[cut:])
+
+    @staticmethod
+    def _emit(req: Request, text: str, pending: str) -> str:
+        req.text += text
+        req.pending_text = pending
+        return text
+
+
+def make_output(req: Request, delta_token_ids: list[int], delta_text: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=list(req.output_token_ids),
+        text=req.text,
+        finish_reason=req.finish_reason,
+        logprobs=None if req.logprobs is None else list(req.logprobs),
+        num_cached_tokens=req.num_cached_tokens,
+        delta_token_ids=delta_token_ids,
+        delta_text=delta_text,
+        stop_reason=req.stop_reason,
+    )

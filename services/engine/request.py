@@ -1,0 +1,84 @@
+"""Request: one sequence's state inside the engine; RequestOutput: what callers see of it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import IncrementalDetokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # new, or preempted and waiting to recompute
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + the most output tokens it may get
+    detokenizer: IncrementalDetokenizer
+    arrival: int  # FCFS order
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    num_preemptions: int = 0
+    text: str = ""  # emitted text (stop strings excluded)
+    pending_text: str = ""  # decoded but held back: may be the start of a stop string
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Cumulative state of a request after a step; ``delta_*`` is what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[dict[int, float]] | None
+    num_cached_tokens: int
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

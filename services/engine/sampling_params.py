@@ -1,0 +1,66 @@
+"""SamplingParams: how one request turns logits into tokens and when it stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; n: the sampled token's plus the top n
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = 16  # None: until the model's length limit
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Lists are accepted and stored as tuples so the params stay hashable and immutable.
+        object.__setattr__(
+            self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop)
+        )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}",
+            ),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def uses_top_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+GREEDY = SamplingParams(temperature=0.0)

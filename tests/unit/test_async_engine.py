@@ -1,0 +1,99 @@
+"""AsyncEngine: streaming from a background step loop, aborts from the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from services.engine.async_engine import EngineDeadError
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsyncEngine]:
+    eng = AsyncEngine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=128))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(
+    eng: AsyncEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], str, str | None]:
+    tokens: list[int] = []
+    text = ""
+    reason = None
+    async for out in eng.generate(prompt, params):
+        tokens += out.delta_token_ids
+        text += out.delta_text
+        reason = out.finish_reason
+    return tokens, text, reason
+
+
+def test_concurrent_streams_match_offline(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[i, i + 1, i + 2] * (i + 1) for i in range(8)]
+
+    async def main() -> list[tuple[list[int], str, str | None]]:
+        return await asyncio.gather(*(_collect(engine, p, params) for p in prompts))
+
+    results = asyncio.run(main())
+    offline = Engine(EngineConfig(model="tiny", block_size=16)).generate(prompts, params)
+    for (tokens, text, reason), ref in zip(results, offline, strict=True):
+        assert tokens == ref.token_ids and text == ref.text and reason == "length"
+    engine.engine.check_integrity()
+
+
+def test_abort_from_the_event_loop_and_on_consumer_exit(engine: AsyncEngine) -> None:
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main() -> tuple[str | None, int]:
+        reasons: list[str | None] = []
+
+        async def consume() -> None:
+            async for out in engine.generate([1, 2, 3], long, request_id="victim"):
+                reasons.append(out.finish_reason)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        await engine.abort("victim")
+        await asyncio.wait_for(task, 10)
+        # a consumer that walks away aborts its request too
+        seen = 0
+        async for _ in engine.generate([4, 5, 6], long, request_id="walker"):
+            seen += 1
+            if seen == 3:
+                break
+        return reasons[-1], seen
+
+    last, seen = asyncio.run(main())
+    assert last == "abort" and seen == 3
+    for _ in range(100):
+        if not engine.engine.has_unfinished_requests():
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert not engine.engine.has_unfinished_requests()
+    engine.engine.check_integrity()
+    assert engine.engine.kv.usage()["in_use"] == 0
+
+
+def test_invalid_request_raises_before_running(engine: AsyncEngine) -> None:
+    async def main() -> None:
+        async for _ in engine.generate([], SamplingParams()):
+            pass
+
+    with pytest.raises(ValueError, match="prompt is empty"):
+        asyncio.run(main())
+
+
+def test_shut_down_engine_refuses() -> None:
+    eng = AsyncEngine(Engine(EngineConfig(model="tiny", num_kv_blocks=8)))
+    eng.shutdown()
+
+    async def main() -> None:
+        async for _ in eng.generate([1], SamplingParams()):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(main())

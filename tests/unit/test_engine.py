@@ -1,0 +1,124 @@
+"""Engine behaviour on the tiny preset: prefix caching, seeds, stops, aborts, rejections."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
+
+
+def _all_free_or_cached(engine: Engine) -> None:
+    engine.check_integrity()
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.usage()["in_use"] == 0
+
+
+def test_prefix_cache_hit_gives_same_tokens(engine: Engine) -> None:
+    shared = list(range(100, 200))
+    first, second = [*shared, 1, 2, 3], [*shared, 7, 8]
+    engine.generate([first], GREEDY)
+    hit = engine.generate([second], GREEDY)[0]
+    assert hit.num_cached_tokens == 96  # six full 16-token blocks of the shared prefix
+    cold = Engine(EngineConfig(model="tiny", block_size=16, enable_prefix_caching=False))
+    miss = cold.generate([second], GREEDY)[0]
+    assert miss.num_cached_tokens == 0
+    assert hit.token_ids == miss.token_ids
+    _all_free_or_cached(engine)
+    _all_free_or_cached(cold)
+
+
+def test_seeded_sampling_alone_and_in_a_batch(engine: Engine) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    alone = engine.generate(["The ferry leaves at"], seeded)[0]
+    others = [f"other prompt {i} " * (i % 5 + 1) for i in range(32)]
+    noisy = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    outs = engine.generate(["The ferry leaves at", *others], [seeded] + [noisy] * 32)
+    assert outs[0].token_ids == alone.token_ids
+    _all_free_or_cached(engine)
+
+
+def test_stop_string_is_matched_on_text_and_not_emitted(engine: Engine) -> None:
+    base = engine.generate(
+        ["stop strings"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )[0]
+    text = base.text
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    cut = text.index(stop)
+    out = engine.generate(
+        ["stop strings"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:cut]
+    assert out.token_ids == base.token_ids[: len(out.token_ids)] and len(out.token_ids) < 30
+    _all_free_or_cached(engine)
+
+
+def test_stop_token_and_min_tokens(engine: Engine) -> None:
+    base = engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )[0]
+    stop_id = base.token_ids[4]
+    out = engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id])
+    )[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    p = SamplingParams(
+        temperature=0, max_tokens=20, stop_token_ids=[base.token_ids[0]], min_tokens=3
+    )
+    late = engine.generate([[5, 6, 7]], p)[0]
+    assert len(late.token_ids) >= 3 and base.token_ids[0] not in late.token_ids[:3]
+
+
+def test_logprobs_and_incremental_step_outputs(engine: Engine) -> None:
+    engine.add_request(
+        "lp", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    )
+    deltas: list[int] = []
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas += out.delta_token_ids
+            text += out.delta_text
+    assert out.finished and deltas == out.token_ids and text == out.text
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    for token, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in lp and 3 <= len(lp) <= 4 and lp[token] == max(lp.values())
+
+
+def test_abort_frees_blocks(engine: Engine) -> None:
+    engine.add_request("a", list(range(300)), SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.kv.usage()["in_use"] > 0
+    out = engine.abort("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.abort("a") is None
+    _all_free_or_cached(engine)
+
+
+def test_rejections(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request("e", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("v", [1, 10_000], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the model's limit of 4096"):
+        engine.add_request("l", [1] * 4000, SamplingParams(max_tokens=100))
+    small = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=4))
+    with pytest.raises(ValueError, match="need 5 KV blocks; the cache has 4"):
+        small.add_request("b", [1] * 70, SamplingParams(max_tokens=10))
+    engine.add_request("dup", [1], GREEDY)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("dup", [1], GREEDY)
+    engine.abort("dup")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="block_size=8"):
+        EngineConfig(block_size=8)
+    _all_free_or_cached(engine)
