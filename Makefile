@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup run test lint format pytest bench clean redis
+.PHONY: setup run test lint format pytest bench bench-engine clean redis
 
 setup: $(STAMP) redis
 
@@ -44,8 +44,11 @@ pytest: setup
 
 test: lint pytest
 
-bench: setup
-	@echo "no benchmarks yet"
+bench: bench-engine
+
+# BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests (the full run takes ~1 h here)
+bench-engine: setup
+	$(PY) loadtest/bench_engine.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

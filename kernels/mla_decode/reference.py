@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kernels.dispatch import register
+
+# NOTE: gathering the paged context into a fresh tensor every call costs ~8x the copy itself
+# (a new multi-MB allocation faults in its pages); a per-thread buffer, grown as needed, avoids it.
+_workspace = threading.local()
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_cache[block_ids] into a reused buffer: [len(block_ids), block_size, dim]."""
+    shape = (block_ids.numel(), *kv_cache.shape[1:])
+    need = block_ids.numel() * kv_cache.shape[1] * kv_cache.shape[2]
+    buf: torch.Tensor | None = getattr(_workspace, "buf", None)
+    if (
+        buf is None
+        or buf.numel() < need
+        or buf.dtype != kv_cache.dtype
+        or buf.device != kv_cache.device
+    ):
+        buf = torch.empty(need + need // 4, dtype=kv_cache.dtype, device=kv_cache.device)
+        _workspace.buf = buf
+    return torch.index_select(kv_cache, 0, block_ids, out=buf[:need].view(shape))
 
 
 @register("mla_decode", "torch")
@@ -29,8 +51,10 @@ def mla_decode_torch(
     block_size = kv_cache.shape[1]
     max_len = int(seq_lens.max())
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].clamp(min=0).long()
-    kv = kv_cache[tables].reshape(batch, num_blocks * block_size, -1)[:, :max_len]  # [B, L, D]
+    tables = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
+    kv = _gather(kv_cache, tables).view(batch, num_blocks * block_size, -1)[
+        :, :max_len
+    ]  # [B, L, D]
     scores = torch.einsum("bhd,bld->bhl", q, kv).float() * softmax_scale
     pos = torch.arange(max_len, device=q.device)
     scores.masked_fill_(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))

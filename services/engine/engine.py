@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +26,16 @@ from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
 from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Timing of the last step: the whole step and the model forward (logits included)."""
+
+    num_seqs: int
+    num_tokens: int
+    total_s: float
+    forward_s: float
 
 
 class Engine:
@@ -57,6 +69,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.last_step: StepStats | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -122,11 +135,12 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         plan = self.planner.plan()
         self.num_preemptions += len(plan.preempted)
         if not plan:
             return []
-        logits, sampling = self._forward(plan)
+        logits, sampling, forward_s = self._forward(plan)
         outputs: list[RequestOutput] = []
         if sampling:
             result = self.sampler(logits, sampling)
@@ -135,10 +149,13 @@ class Engine:
                 if req.finish_reason is not None:
                     self._finish(req)
                 outputs.append(make_output(req, [token], delta))
+        total = time.perf_counter() - started
+        self.last_step = StepStats(len(plan.requests), plan.total_tokens, total, forward_s)
         return outputs
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request]]:
-        """Run the model on the plan's new tokens; return logits of the requests that sample."""
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request], float]:
+        """Run the model on the plan's new tokens; return logits of the requests that sample
+        and the seconds spent in the model."""
         input_ids: list[int] = []
         rows: list[int] = []
         sampling: list[Request] = []
@@ -156,13 +173,16 @@ class Engine:
             self.config.block_size,
             device=device,
         )
+        t0 = time.perf_counter()
         hidden = self.model(torch.tensor(input_ids, device=device), batch, self.kv_cache)
+        logits = hidden.new_empty(0)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu()
+        forward_s = time.perf_counter() - t0
         for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.kv.commit(req)
-        if not rows:
-            return hidden.new_empty(0), sampling
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu(), sampling
+        return logits, sampling, forward_s
 
     def _finish(self, req: Request) -> None:
         self.planner.remove(req)

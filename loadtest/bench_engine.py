@@ -1,0 +1,170 @@
+"""Offline engine benchmark: Ferry's Engine against transformers' generate on the same weights.
+
+Workload (seeded): N requests, prompt lengths uniform in 32..1024, output lengths uniform in
+16..512, greedy, ignore_eos. Ferry runs all requests through one Engine (continuous batching);
+transformers runs them in batches of 16 with left padding, each batch until its longest output.
+Both count only the output tokens each request asked for. A second, short Ferry run holds 64
+sequences in decode and measures the share of step time spent outside the model forward.
+
+    python loadtest/bench_engine.py                      # the full workload (transformers: ~1 h here)
+    python loadtest/bench_engine.py --hf-requests 32     # transformers on the first 32 requests only
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.engine import Engine, EngineConfig, SamplingParams
+from services.engine.model import export_preset
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p_len = int(torch.randint(32, 1025, (1,), generator=gen))
+        o_len = int(torch.randint(16, 513, (1,), generator=gen))
+        out.append((torch.randint(0, 256, (p_len,), generator=gen).tolist(), o_len))
+    return out
+
+
+def run_ferry(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+    engine = Engine(_config(args, args.max_num_seqs))
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    t = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], params)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == sum(o for _, o in reqs)
+    engine.check_integrity()
+    return {"requests": len(reqs), "output_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds, "preemptions": engine.num_preemptions}  # fmt: skip
+
+
+def outside_forward_share(
+    args: argparse.Namespace, reqs: list[tuple[list[int], int]]
+) -> dict[str, object]:
+    """64 requests in decode; time 30 steps, with a profile of the last ones."""
+    engine = Engine(_config(args, 64))
+    for i, (prompt, _) in enumerate(reqs[:64]):
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+        )
+    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.requests.values()):
+        engine.step()
+    total = forward = 0.0
+    prof = cProfile.Profile()
+    for i in range(30):
+        if i >= 20:
+            prof.enable()
+        engine.step()
+        prof.disable()
+        stats = engine.last_step
+        assert stats is not None and stats.num_seqs == 64
+        total += stats.total_s
+        forward += stats.forward_s
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    return {"running_seqs": 64, "steps": 30, "step_ms": total / 30 * 1e3,
+            "forward_ms": forward / 30 * 1e3, "share": 1 - forward / total,
+            "profile_last_10_steps": buf.getvalue().splitlines()[:40]}  # fmt: skip
+
+
+def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
+    from transformers import DeepseekV3ForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        export_preset(args.model, d)
+        model = DeepseekV3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+    pad = 258
+    tokens = 0
+    t = time.perf_counter()
+    for start in range(0, len(reqs), 16):
+        batch = reqs[start : start + 16]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, _) in enumerate(batch):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        new = max(o for _, o in batch)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, eos_token_id=None, pad_token_id=pad)  # fmt: skip
+        tokens += sum(o for _, o in batch)
+        print(
+            f"  transformers: {start + len(batch)}/{len(reqs)} requests, {time.perf_counter() - t:.0f}s",
+            flush=True,
+        )
+    seconds = time.perf_counter() - t
+    return {"requests": len(reqs), "output_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds}  # fmt: skip
+
+
+def _config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype="float32", block_size=64, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=2048, kv_cache_memory_bytes=args.kv_cache_gib << 30)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--hf-requests", type=int, default=None, help="default: all; a multiple of 16")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="loadtest/results/engine.json")
+    args = ap.parse_args()
+    reqs = workload(args.num_requests, args.seed)
+    print("ferry: outside-forward share at 64 running sequences", flush=True)
+    share = outside_forward_share(args, reqs)
+    print(
+        f"  step {share['step_ms']:.1f} ms, forward {share['forward_ms']:.1f} ms, outside {share['share']:.1%}"
+    )
+    print(f"ferry: {len(reqs)} requests", flush=True)
+    ferry = run_ferry(args, reqs)
+    print(f"  {ferry['output_tokens_per_s']:.1f} output tokens/s ({ferry['seconds']:.0f}s)")
+    hf_reqs = reqs[: args.hf_requests] if args.hf_requests else reqs
+    print(f"transformers: {len(hf_reqs)} requests in batches of 16", flush=True)
+    hf = run_hf(args, hf_reqs)
+    print(f"  {hf['output_tokens_per_s']:.1f} output tokens/s ({hf['seconds']:.0f}s)")
+    ratio = ferry["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    print(
+        f"ratio ferry / transformers: {ratio:.1f}x (target >= 5); outside-forward {share['share']:.1%} (target <= 10%)"
+    )
+    result = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "python": platform.python_version()},
+        "workload": {"model": args.model, "dtype": "float32", "requests": args.num_requests,
+                     "prompt_len": [32, 1024], "output_len": [16, 512], "seed": args.seed, "greedy": True},
+        "ferry": ferry,
+        "transformers": {**hf, "batch_size": 16, "padding": "left"},
+        "ratio": ratio,
+        "outside_forward_at_64": share,
+        "targets": {"ratio": 5, "outside_forward_share": 0.10},
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
