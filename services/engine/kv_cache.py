@@ -10,6 +10,7 @@ two requests that share a prefix share its blocks. Blocks no request references 
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -84,6 +85,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt or b"ferry"
+        # Leases and KV transfers touch the pool from transport threads; the engine from its own.
+        self.lock = threading.RLock()
+        # Blocks referenced outside any request (KV leases, in-flight imports), by owner key.
+        self.holds: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -106,13 +111,14 @@ class KVCacheManager:
         blocks: list[int] = []
         hashes: list[int] = []
         parent = ROOT_HASH
-        for i in range((len(tokens) - 1) // bs):
-            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
-            block = self.pool.hash_to_block.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-            hashes.append(parent)
+        with self.lock:
+            for i in range((len(tokens) - 1) // bs):
+                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
+                block = self.pool.hash_to_block.get(parent)
+                if block is None:
+                    break
+                blocks.append(block)
+                hashes.append(parent)
         return blocks, hashes
 
     def allocate(
@@ -125,15 +131,16 @@ class KVCacheManager:
         have = len(req.block_ids) + len(cached_blocks)
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         new = max(0, self.blocks_needed(total) - have)
-        reclaim = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
-        if new > self.pool.num_free - reclaim:
-            return False
-        for block in cached_blocks:
-            self.pool.take_cached(block)
-        req.block_ids.extend(cached_blocks)
-        req.block_hashes.extend(cached_hashes)
-        req.block_ids.extend(self.pool.take_new() for _ in range(new))
-        return True
+        with self.lock:
+            reclaim = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
+            if new > self.pool.num_free - reclaim:
+                return False
+            for block in cached_blocks:
+                self.pool.take_cached(block)
+            req.block_ids.extend(cached_blocks)
+            req.block_hashes.extend(cached_hashes)
+            req.block_ids.extend(self.pool.take_new() for _ in range(new))
+            return True
 
     def commit(self, req: Request) -> None:
         """Register the hashes of ``req``'s blocks that its computed tokens have just filled."""
@@ -145,21 +152,67 @@ class KVCacheManager:
             return
         tokens = req.all_token_ids
         parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
-        for i in range(len(req.block_hashes), full):
-            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
-            req.block_hashes.append(parent)
-            self.pool.register(req.block_ids[i], parent)
+        with self.lock:
+            for i in range(len(req.block_hashes), full):
+                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
+                req.block_hashes.append(parent)
+                self.pool.register(req.block_ids[i], parent)
 
     def free(self, req: Request) -> None:
         """Drop ``req``'s references, tail first so that its last blocks are evicted first."""
-        self.pool.release(reversed(req.block_ids))
+        with self.lock:
+            self.pool.release(reversed(req.block_ids))
         req.block_ids = []
         req.block_hashes = []
 
+    # ---- references held outside requests (KV transfer) -----------------------------------
+    def hold(self, key: str, block_ids: list[int]) -> None:
+        """Add a reference to blocks some request already has (a lease pins them past it)."""
+        with self.lock:
+            if key in self.holds:
+                raise KeyError(f"hold {key!r} exists")
+            for b in block_ids:
+                self.pool.take_cached(b)
+            self.holds[key] = list(block_ids)
+
+    def hold_new(self, key: str, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` fresh blocks under ``key`` (an import's destination); None if the
+        pool is too small."""
+        with self.lock:
+            if key in self.holds:
+                raise KeyError(f"hold {key!r} exists")
+            if num_blocks > self.pool.num_free:
+                return None
+            blocks = [self.pool.take_new() for _ in range(num_blocks)]
+            self.holds[key] = blocks
+            return list(blocks)
+
+    def release_hold(self, key: str) -> list[int]:
+        """Drop the references held under ``key``; returns the blocks (empty if none)."""
+        with self.lock:
+            blocks = self.holds.pop(key, [])
+            self.pool.release(reversed(blocks))
+            return blocks
+
+    def adopt_hold(self, key: str, req: Request, num_tokens: int) -> None:
+        """Hand the blocks held under ``key`` to ``req`` as its first ``num_tokens`` tokens."""
+        with self.lock:
+            req.block_ids = self.holds.pop(key)
+            req.block_hashes = []
+            req.num_computed_tokens = num_tokens
+
     def check_integrity(self, live: Iterable[Request] = ()) -> None:
-        """free + cached + in use == total; reference counts equal the live requests' holdings."""
+        """free + cached + in use == total; reference counts equal what the live requests and
+        the holds (leases, imports) reference."""
+        with self.lock:
+            self._check_integrity(list(live))
+
+    def _check_integrity(self, live: list[Request]) -> None:
         pool = self.pool
         holders = [0] * pool.num_blocks
+        for held in self.holds.values():
+            for b in held:
+                holders[b] += 1
         for req in live:
             if len(set(req.block_ids)) != len(req.block_ids):
                 raise AssertionError(f"request {req.request_id} holds a block twice")
@@ -186,7 +239,8 @@ class KVCacheManager:
 
     def usage(self) -> dict[str, int]:
         pool = self.pool
-        cached = sum(1 for b in pool.free if pool.block_hash[b] is not None)
+        with self.lock:
+            cached = sum(1 for b in pool.free if pool.block_hash[b] is not None)
         return {
             "total": pool.num_blocks,
             "in_use": pool.num_blocks - pool.num_free,

@@ -90,11 +90,12 @@ class StepPlanner:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.match_prefix(req)
-            num_cached = len(cached[0]) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, num_new, cached):
-                break  # FCFS: nobody overtakes the head of the queue
+            with self.kv.lock:  # no eviction between finding the prefix and taking it
+                cached = self.kv.match_prefix(req)
+                num_cached = len(cached[0]) * self.kv.block_size
+                num_new = min(req.num_tokens - num_cached, budget)
+                if not self.kv.allocate(req, num_new, cached):
+                    break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0 and not req.output_token_ids:

@@ -1,0 +1,149 @@
+"""Exporter and importer: transport-independent halves of a KV transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import metrics
+from services.kv_transfer.handle import KvHandle, LayoutFingerprint, LayoutMismatch, TransferError
+from services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
+from services.kv_transfer.staging import checksum, gather_blocks, scatter_blocks
+from services.kv_transfer.transport import KvTransport
+
+
+class KvExporter:
+    """The prefill side: pins finished prefills under leases and stages their blocks on request."""
+
+    def __init__(
+        self,
+        cache: torch.Tensor,
+        kv: KVCacheManager,
+        layout: LayoutFingerprint,
+        worker_id: str,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
+        self.cache = cache
+        self.kv = kv
+        self.layout = layout
+        self.worker_id = worker_id
+        self.leases = LeaseTable(kv, lease_seconds)
+
+    def export(
+        self, block_ids: list[int], num_tokens: int, host: str, port: int, transport: str
+    ) -> KvHandle:
+        lease = self.leases.create(block_ids, num_tokens)
+        remaining = lease.expires_at - self.leases.clock()
+        return KvHandle(
+            transfer_id=lease.transfer_id, worker_id=self.worker_id, host=host, port=port,
+            num_tokens=num_tokens, block_size=self.layout.block_size, num_blocks=len(block_ids),
+            layout=self.layout, expires_at=time.time() + remaining, transport=transport,
+        )  # fmt: skip
+
+    async def run_reaper(self, interval: float = 1.0) -> None:
+        """Free expired leases every ``interval`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            self.leases.expire()
+
+    def stage(self, transfer_id: str) -> tuple[torch.Tensor, Lease] | None:
+        """The lease's blocks gathered into one contiguous tensor, or None when there is no
+        live lease. The lease is extended so that it cannot expire mid-send."""
+        lease = self.leases.get(transfer_id)
+        if lease is None:
+            return None
+        self.leases.extend(transfer_id)
+        return gather_blocks(self.cache, lease.block_ids), lease
+
+
+class KvImporter:
+    """The decode side: reserves destination blocks, pulls, verifies, scatters. On any failure
+    the destination blocks go back to the pool and a TransferError says which peer and transfer."""
+
+    def __init__(
+        self,
+        transport: KvTransport,
+        cache: torch.Tensor,
+        kv: KVCacheManager,
+        layout: LayoutFingerprint,
+        transfer_timeout: float = 30.0,
+        verify_checksum: bool = False,
+    ) -> None:
+        self.transport = transport
+        self.cache = cache
+        self.kv = kv
+        self.layout = layout
+        self.transfer_timeout = transfer_timeout
+        self.verify_checksum = verify_checksum
+
+    @staticmethod
+    def hold_key(handle: KvHandle) -> str:
+        return f"import:{handle.transfer_id}"
+
+    async def pull(self, handle: KvHandle, dst_block_ids: list[int] | None = None) -> list[int]:
+        """Copy the handle's blocks into this cache. Without ``dst_block_ids`` the importer takes
+        fresh blocks itself, held under :meth:`hold_key` until the caller adopts or releases them."""
+        name = self.transport.name
+        if handle.layout != self.layout:
+            metrics.FAILED_TRANSFERS.labels(name, "layout_mismatch").inc()
+            raise LayoutMismatch(self.layout, handle.layout, handle.transfer_id)
+        key = self.hold_key(handle)
+        if dst_block_ids is None:
+            dst = self.kv.hold_new(key, handle.num_blocks)
+            if dst is None:
+                metrics.FAILED_TRANSFERS.labels(name, "no_blocks").inc()
+                raise TransferError(
+                    "no_blocks",
+                    f"transfer {handle.transfer_id}: no room for {handle.num_blocks} blocks",
+                )
+        else:
+            if len(dst_block_ids) != handle.num_blocks:
+                raise ValueError(f"{len(dst_block_ids)} destination blocks for {handle.num_blocks}")
+            dst = list(dst_block_ids)
+        peer = f"{handle.worker_id}@{handle.host}:{handle.port}"
+        staged = torch.empty(
+            (self.layout.num_layers, handle.num_blocks, self.layout.block_size, self.layout.latent_dim),
+            dtype=self.cache.dtype, device="cpu",
+        )  # fmt: skip
+        started = time.perf_counter()
+        try:
+            expect = await asyncio.wait_for(
+                self.transport.fetch(handle, staged, self.verify_checksum), self.transfer_timeout
+            )
+            if self.verify_checksum and expect is not None and checksum(staged) != expect:
+                raise TransferError(
+                    "checksum", f"transfer {handle.transfer_id} from {peer}: checksum mismatch"
+                )
+        except BaseException as e:
+            if dst_block_ids is None:
+                self.kv.release_hold(key)
+            reason, err = _classify(e, handle, peer, self.transfer_timeout)
+            metrics.FAILED_TRANSFERS.labels(name, reason).inc()
+            if err is e:
+                raise
+            raise err from e
+        scatter_blocks(self.cache, dst, staged.to(self.cache.device))
+        metrics.TRANSFERS.labels(name).inc()
+        metrics.TRANSFER_BYTES.labels(name).inc(staged.numel() * staged.element_size())
+        metrics.TRANSFER_SECONDS.labels(name).observe(time.perf_counter() - started)
+        await self.transport.release(handle)
+        return dst
+
+
+def _classify(
+    e: BaseException, handle: KvHandle, peer: str, timeout: float
+) -> tuple[str, BaseException]:
+    if isinstance(e, TransferError):
+        return e.reason, e
+    if isinstance(e, TimeoutError):
+        return "timeout", TransferError(
+            "timeout", f"transfer {handle.transfer_id} from {peer}: no data within {timeout:.1f}s"
+        )
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled", e
+    return "peer_error", TransferError(
+        "peer_error", f"transfer {handle.transfer_id} from {peer} failed: {e!r}"
+    )

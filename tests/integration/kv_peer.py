@@ -1,0 +1,70 @@
+"""A KV exporter in its own process, for transfer tests.
+
+Builds a seeded random latent cache, leases blocks for each requested size, serves them over the
+chosen transport and prints one JSON line: {"handles": [...], "src_blocks": [[...], ...]}.
+It runs until its stdin closes (so a test that exits never leaves it behind) or it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import torch
+
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import KvExporter, LayoutFingerprint, create_transport
+
+
+def make_cache(layers: int, blocks: int, block_size: int, dim: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, blocks, block_size, dim, generator=gen)
+
+
+def layout(args: argparse.Namespace, model: str = "test-model") -> LayoutFingerprint:
+    return LayoutFingerprint(model, "float32", args.layers, args.dim, args.block_size)
+
+
+async def main(args: argparse.Namespace) -> None:
+    cache = make_cache(args.layers, args.blocks, args.block_size, args.dim, args.seed)
+    kv = KVCacheManager(args.blocks, args.block_size)
+    exporter = KvExporter(
+        cache, kv, layout(args), worker_id="prefill-test", lease_seconds=args.lease_seconds
+    )
+    transport = create_transport(args.transport)
+    if args.fault_delay:
+        transport.fault_delay_before_payload_s = args.fault_delay  # type: ignore[attr-defined]
+    port = await transport.serve(exporter)
+    perm = torch.randperm(
+        args.blocks, generator=torch.Generator().manual_seed(args.seed + 1)
+    ).tolist()
+    handles, srcs = [], []
+    for i, n in enumerate(int(s) for s in args.sizes.split(",")):
+        # as a prefill would: a request holds the blocks, the lease pins them, the request ends
+        src, perm = perm[:n], perm[n:]
+        kv.hold(f"request-{i}", src)
+        handle = exporter.export(src, n * args.block_size, "127.0.0.1", port, args.transport)
+        kv.release_hold(f"request-{i}")
+        handles.append(json.loads(handle.to_json()))
+        srcs.append(src)
+    print(json.dumps({"handles": handles, "src_blocks": srcs}), flush=True)
+    reaper = asyncio.create_task(exporter.run_reaper(0.1))
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    reaper.cancel()
+    await transport.close()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--transport", default="ucx")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=80)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sizes", default="4")
+    ap.add_argument("--lease-seconds", type=float, default=30.0)
+    ap.add_argument("--fault-delay", type=float, default=0.0)
+    asyncio.run(main(ap.parse_args()))

@@ -1,0 +1,172 @@
+"""KV transfer between two real processes over UCX on 127.0.0.1, and leases in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import (
+    KvExporter,
+    KvHandle,
+    KvImporter,
+    LayoutFingerprint,
+    LayoutMismatch,
+    LeaseNotFound,
+    TransferError,
+    create_transport,
+)
+from tests.integration.kv_peer import make_cache
+
+LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
+LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
+
+
+@contextmanager
+def exporter_process(
+    *args: str,
+) -> Iterator[tuple[subprocess.Popen[str], list[KvHandle], list[list[int]]]]:
+    cmd = [sys.executable, "-m", "tests.integration.kv_peer", "--layers", str(LAYERS), "--blocks",
+           str(BLOCKS), "--block-size", str(BS), "--dim", str(DIM), "--seed", str(SEED), *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, "exporter process exited before printing its handles"
+        info = json.loads(line)
+        handles = [KvHandle.from_json(json.dumps(h)) for h in info["handles"]]
+        yield proc, handles, info["src_blocks"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def importer(transfer_timeout: float = 10.0) -> KvImporter:
+    cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
+    kv = KVCacheManager(BLOCKS, BS)
+    return KvImporter(
+        create_transport("ucx"), cache, kv, LAYOUT, transfer_timeout, verify_checksum=True
+    )
+
+
+def test_64_concurrent_pulls_arrive_bit_exact() -> None:
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 13, (64,), generator=gen).tolist()
+    expected = make_cache(LAYERS, BLOCKS, BS, DIM, SEED)
+    with exporter_process("--sizes", ",".join(map(str, sizes))) as (_, handles, srcs):
+        imp = importer()
+        perm = torch.randperm(BLOCKS, generator=gen).tolist()
+        dsts = []
+        for n in sizes:
+            dsts.append(perm[:n])
+            perm = perm[n:]
+
+        async def run() -> None:
+            await asyncio.gather(*(imp.pull(h, d) for h, d in zip(handles, dsts, strict=True)))
+            await imp.transport.close()
+
+        asyncio.run(run())
+        for src, dst in zip(srcs, dsts, strict=True):
+            assert torch.equal(imp.cache[:, dst], expected[:, src])
+        # released leases cannot be pulled again
+        with pytest.raises(LeaseNotFound):
+            asyncio.run(_pull_once(importer(), handles[0]))
+
+
+async def _pull_once(imp: KvImporter, handle: KvHandle) -> list[int]:
+    try:
+        return await imp.pull(handle)
+    finally:
+        await imp.transport.close()
+
+
+def test_exporter_killed_mid_transfer() -> None:
+    with exporter_process("--sizes", "64", "--fault-delay", "30") as (proc, handles, _):
+        imp = importer(transfer_timeout=3.0)
+
+        async def run() -> float:
+            task = asyncio.create_task(imp.pull(handles[0]))
+            await asyncio.sleep(0.5)  # the header has arrived; the payload is 30 s away
+            os.kill(proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(TransferError) as info:
+                await task
+            assert handles[0].transfer_id in str(info.value)
+            await imp.transport.close()
+            return time.monotonic() - started
+
+        assert asyncio.run(run()) < 4.0
+        assert imp.kv.usage()["in_use"] == 0  # the reserved destination blocks are free again
+        imp.kv.check_integrity()
+
+
+def test_layout_mismatch_is_refused_before_any_byte() -> None:
+    with exporter_process("--sizes", "3") as (_, handles, _):
+        cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
+        kv = KVCacheManager(BLOCKS, BS)
+        other = LayoutFingerprint("other-model", "float32", LAYERS, DIM, BS)
+        imp = KvImporter(create_transport("ucx"), cache, kv, other)
+        with pytest.raises(LayoutMismatch, match=r"test-model.*does not match.*other-model"):
+            asyncio.run(_pull_once(imp, handles[0]))
+        assert not cache.any() and kv.usage()["in_use"] == 0
+
+
+def test_unpulled_lease_expires_over_ucx() -> None:
+    with exporter_process("--sizes", "2", "--lease-seconds", "0.5") as (_, handles, _):
+        time.sleep(1.0)
+        with pytest.raises(LeaseNotFound, match=r"\(expired or released\)"):
+            asyncio.run(_pull_once(importer(), handles[0]))
+
+
+def test_lease_expiry_returns_blocks_to_the_exporter_pool() -> None:
+    kv = KVCacheManager(32, BS)
+    clock = [0.0]
+    exporter = KvExporter(torch.zeros(LAYERS, 32, BS, DIM), kv, LAYOUT, "p0", lease_seconds=5)
+    exporter.leases.clock = lambda: clock[0]
+    kv.hold("request", [3, 4, 5])
+    exporter.export([3, 4, 5], 40, "local", 0, "local")
+    kv.release_hold("request")
+    assert kv.usage()["in_use"] == 3
+    clock[0] = 4.0
+    assert exporter.leases.expire() == 0
+    clock[0] = 5.5
+    assert exporter.leases.expire() == 1
+    assert kv.usage()["in_use"] == 0
+    kv.check_integrity()
+
+
+def test_local_transport_roundtrip() -> None:
+    src_cache = make_cache(LAYERS, 64, BS, DIM, 3)
+    kv = KVCacheManager(64, BS)
+    exporter = KvExporter(src_cache, kv, LAYOUT, "p0")
+    transport = create_transport("local")
+
+    async def run() -> list[int]:
+        port = await transport.serve(exporter)
+        kv.hold("r", [9, 2, 40])
+        handle = exporter.export([9, 2, 40], 48, "local", port, "local")
+        kv.release_hold("r")
+        imp = KvImporter(
+            transport,
+            torch.zeros(LAYERS, 64, BS, DIM),
+            KVCacheManager(64, BS),
+            LAYOUT,
+            verify_checksum=True,
+        )
+        dst = await imp.pull(handle)
+        assert torch.equal(imp.cache[:, dst], src_cache[:, [9, 2, 40]])
+        assert len(exporter.leases) == 0  # released after the pull
+        return dst
+
+    assert len(asyncio.run(run())) == 3
