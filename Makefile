@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup run test lint format pytest bench bench-engine clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine clean redis
 
 setup: $(STAMP) redis
 
@@ -26,6 +26,10 @@ redis:
 	@command -v redis-server >/dev/null || { \
 	  echo "installing redis-server (apt-get)"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+
+# Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale).
+protos: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
 
 run: setup
 	$(VENV)/bin/ferry up

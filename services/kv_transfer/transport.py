@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 class KvTransport(ABC):
     name: ClassVar[str]
+    # Fault injection for tests: the exporter pauses this long after the first bytes of a payload.
+    fault_delay_before_payload_s: float = 0.0
 
     @abstractmethod
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -52,7 +54,7 @@ def register(name: str) -> Callable[[type[KvTransport]], type[KvTransport]]:
 
 def create_transport(name: str) -> KvTransport:
     # Importing the modules registers the transports.
-    from services.kv_transfer import local, ucx  # noqa: F401
+    from services.kv_transfer import grpc_transport, local, ucx  # noqa: F401
 
     if name not in TRANSPORTS:
         raise ValueError(

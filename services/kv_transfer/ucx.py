@@ -55,12 +55,8 @@ async def _recv_json(ep: Any) -> dict[str, Any]:
 
 @register("ucx")
 class UcxTransport(KvTransport):
-    def __init__(
-        self, connect_timeout: float = 5.0, fault_delay_before_payload_s: float = 0.0
-    ) -> None:
+    def __init__(self, connect_timeout: float = 5.0) -> None:
         self.connect_timeout = connect_timeout
-        # Fault injection for tests: the exporter pauses between header and payload.
-        self.fault_delay_before_payload_s = fault_delay_before_payload_s
         self._listener: Any = None
         self._idle: dict[tuple[str, int], list[Any]] = defaultdict(list)
 

@@ -34,8 +34,7 @@ async def main(args: argparse.Namespace) -> None:
         cache, kv, layout(args), worker_id="prefill-test", lease_seconds=args.lease_seconds
     )
     transport = create_transport(args.transport)
-    if args.fault_delay:
-        transport.fault_delay_before_payload_s = args.fault_delay  # type: ignore[attr-defined]
+    transport.fault_delay_before_payload_s = args.fault_delay
     port = await transport.serve(exporter)
     perm = torch.randperm(
         args.blocks, generator=torch.Generator().manual_seed(args.seed + 1)

@@ -52,20 +52,28 @@ def exporter_process(
         proc.wait(10)
 
 
-def importer(transfer_timeout: float = 10.0) -> KvImporter:
+def importer(transport: str, transfer_timeout: float = 10.0) -> KvImporter:
     cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
     kv = KVCacheManager(BLOCKS, BS)
     return KvImporter(
-        create_transport("ucx"), cache, kv, LAYOUT, transfer_timeout, verify_checksum=True
+        create_transport(transport), cache, kv, LAYOUT, transfer_timeout, verify_checksum=True
     )
 
 
-def test_64_concurrent_pulls_arrive_bit_exact() -> None:
+NETWORK = pytest.mark.parametrize("transport", ["ucx", "grpc"])
+
+
+@NETWORK
+def test_64_concurrent_pulls_arrive_bit_exact(transport: str) -> None:
     gen = torch.Generator().manual_seed(5)
     sizes = torch.randint(1, 13, (64,), generator=gen).tolist()
     expected = make_cache(LAYERS, BLOCKS, BS, DIM, SEED)
-    with exporter_process("--sizes", ",".join(map(str, sizes))) as (_, handles, srcs):
-        imp = importer()
+    with exporter_process("--transport", transport, "--sizes", ",".join(map(str, sizes))) as (
+        _,
+        handles,
+        srcs,
+    ):
+        imp = importer(transport)
         perm = torch.randperm(BLOCKS, generator=gen).tolist()
         dsts = []
         for n in sizes:
@@ -81,7 +89,7 @@ def test_64_concurrent_pulls_arrive_bit_exact() -> None:
             assert torch.equal(imp.cache[:, dst], expected[:, src])
         # released leases cannot be pulled again
         with pytest.raises(LeaseNotFound):
-            asyncio.run(_pull_once(importer(), handles[0]))
+            asyncio.run(_pull_once(importer(transport), handles[0]))
 
 
 async def _pull_once(imp: KvImporter, handle: KvHandle) -> list[int]:
@@ -91,9 +99,12 @@ async def _pull_once(imp: KvImporter, handle: KvHandle) -> list[int]:
         await imp.transport.close()
 
 
-def test_exporter_killed_mid_transfer() -> None:
-    with exporter_process("--sizes", "64", "--fault-delay", "30") as (proc, handles, _):
-        imp = importer(transfer_timeout=3.0)
+@NETWORK
+def test_exporter_killed_mid_transfer(transport: str) -> None:
+    # 512 blocks: more than one gRPC chunk, so the exporter stalls after the first one
+    args = ("--transport", transport, "--sizes", "512", "--fault-delay", "30")
+    with exporter_process(*args) as (proc, handles, _):
+        imp = importer(transport, transfer_timeout=3.0)
 
         async def run() -> float:
             task = asyncio.create_task(imp.pull(handles[0]))
@@ -111,22 +122,25 @@ def test_exporter_killed_mid_transfer() -> None:
         imp.kv.check_integrity()
 
 
-def test_layout_mismatch_is_refused_before_any_byte() -> None:
-    with exporter_process("--sizes", "3") as (_, handles, _):
+@NETWORK
+def test_layout_mismatch_is_refused_before_any_byte(transport: str) -> None:
+    with exporter_process("--transport", transport, "--sizes", "3") as (_, handles, _):
         cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
         kv = KVCacheManager(BLOCKS, BS)
         other = LayoutFingerprint("other-model", "float32", LAYERS, DIM, BS)
-        imp = KvImporter(create_transport("ucx"), cache, kv, other)
+        imp = KvImporter(create_transport(transport), cache, kv, other)
         with pytest.raises(LayoutMismatch, match=r"test-model.*does not match.*other-model"):
             asyncio.run(_pull_once(imp, handles[0]))
         assert not cache.any() and kv.usage()["in_use"] == 0
 
 
-def test_unpulled_lease_expires_over_ucx() -> None:
-    with exporter_process("--sizes", "2", "--lease-seconds", "0.5") as (_, handles, _):
+@NETWORK
+def test_unpulled_lease_expires(transport: str) -> None:
+    args = ("--transport", transport, "--sizes", "2", "--lease-seconds", "0.5")
+    with exporter_process(*args) as (_, handles, _):
         time.sleep(1.0)
         with pytest.raises(LeaseNotFound, match=r"\(expired or released\)"):
-            asyncio.run(_pull_once(importer(), handles[0]))
+            asyncio.run(_pull_once(importer(transport), handles[0]))
 
 
 def test_lease_expiry_returns_blocks_to_the_exporter_pool() -> None:

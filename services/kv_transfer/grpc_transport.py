@@ -1,0 +1,136 @@
+"""gRPC transport: ``KvTransfer.Pull`` streams the staged payload in chunks; the fallback for
+hosts without UCX. Slower (every byte is copied through protobuf messages), but it needs nothing
+beyond grpcio."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from protos import kv_transfer_pb2 as pb
+from protos import kv_transfer_pb2_grpc as pb_grpc
+from services.kv_transfer.handle import LeaseNotFound, TransferError
+from services.kv_transfer.staging import as_bytes, checksum
+from services.kv_transfer.transport import KvTransport, register
+
+if TYPE_CHECKING:
+    from services.kv_transfer.endpoints import KvExporter
+    from services.kv_transfer.handle import KvHandle
+
+CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB message limit
+
+
+class _Servicer(pb_grpc.KvTransferServicer):
+    def __init__(self, exporter: KvExporter, transport: KvTransport) -> None:
+        self.exporter = exporter
+        self.transport = transport
+
+    async def Pull(
+        self, request: pb.KvPullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvChunk]:
+        staged = self.exporter.stage(request.transfer_id)
+        if staged is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no lease for transfer {request.transfer_id}"
+            )
+            return
+        payload = staged[0]
+        data = as_bytes(payload)
+        crc = checksum(payload) if request.checksum else None
+        total = len(data)
+        for offset in range(0, max(total, 1), CHUNK_BYTES):
+            chunk = pb.KvChunk(offset=offset, data=bytes(data[offset : offset + CHUNK_BYTES]))
+            if offset == 0:
+                chunk.total_bytes = total
+                if crc is not None:
+                    chunk.checksum = crc
+            yield chunk
+            if offset == 0 and self.transport.fault_delay_before_payload_s:
+                await asyncio.sleep(self.transport.fault_delay_before_payload_s)
+
+    async def Release(
+        self, request: pb.KvLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KvLeaseReply:
+        return pb.KvLeaseReply(ok=self.exporter.leases.release(request.transfer_id))
+
+    async def Extend(
+        self, request: pb.KvLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KvLeaseReply:
+        ok = self.exporter.leases.extend(request.transfer_id, request.seconds or None)
+        return pb.KvLeaseReply(ok=ok)
+
+
+@register("grpc")
+class GrpcTransport(KvTransport):
+    def __init__(self) -> None:
+        self._server: grpc.aio.Server | None = None
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+
+    async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._server = grpc.aio.server()
+        pb_grpc.add_KvTransferServicer_to_server(_Servicer(exporter, self), self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        return bound
+
+    def _stub(self, handle: KvHandle) -> pb_grpc.KvTransferStub:
+        key = (handle.host, handle.port)
+        if key not in self._channels:
+            self._channels[key] = grpc.aio.insecure_channel(f"{handle.host}:{handle.port}")
+        return pb_grpc.KvTransferStub(self._channels[key])
+
+    async def fetch(self, handle: KvHandle, into: torch.Tensor, want_checksum: bool) -> int | None:
+        dst = as_bytes(into)
+        peer = f"{handle.worker_id} at {handle.host}:{handle.port}"
+        crc: int | None = None
+        received = 0
+        try:
+            async for chunk in self._stub(handle).Pull(
+                pb.KvPullRequest(transfer_id=handle.transfer_id, checksum=want_checksum)
+            ):
+                if chunk.offset == 0:
+                    if chunk.total_bytes != len(dst):
+                        raise TransferError(
+                            "size",
+                            f"transfer {handle.transfer_id}: {chunk.total_bytes} bytes offered, {len(dst)} expected",
+                        )
+                    crc = chunk.checksum if chunk.HasField("checksum") else None
+                end = chunk.offset + len(chunk.data)
+                dst[chunk.offset : end] = chunk.data
+                received += len(chunk.data)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise LeaseNotFound(handle.transfer_id, peer) from e
+            raise TransferError(
+                "peer_error",
+                f"transfer {handle.transfer_id} from {peer}: {e.code().name} {e.details()}",
+            ) from e
+        if received != len(dst):
+            raise TransferError(
+                "truncated",
+                f"transfer {handle.transfer_id} from {peer}: {received} of {len(dst)} bytes",
+            )
+        return crc
+
+    async def release(self, handle: KvHandle) -> None:
+        await self._stub(handle).Release(pb.KvLeaseRequest(transfer_id=handle.transfer_id))
+
+    async def extend(self, handle: KvHandle, seconds: float) -> bool:
+        reply = await self._stub(handle).Extend(
+            pb.KvLeaseRequest(transfer_id=handle.transfer_id, seconds=seconds)
+        )
+        return bool(reply.ok)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            with contextlib.suppress(Exception):
+                await channel.close()
+        self._channels.clear()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None

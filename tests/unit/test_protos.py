@@ -1,0 +1,27 @@
+"""The generated protos/*_pb2*.py must match their .proto files (`make protos` regenerates)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_code_is_fresh(tmp_path: Path) -> None:
+    protos = sorted((ROOT / "protos").glob("*.proto"))
+    assert protos
+    (tmp_path / "protos").mkdir()
+    for p in protos:
+        shutil.copy(p, tmp_path / "protos" / p.name)
+    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
+           "--pyi_out=.", *[f"protos/{p.name}" for p in protos]]  # fmt: skip
+    subprocess.run(cmd, cwd=tmp_path, check=True)
+    for fresh in sorted((tmp_path / "protos").glob("*_pb2*.py*")):
+        committed = ROOT / "protos" / fresh.name
+        assert committed.exists(), f"{committed.name} is missing: run `make protos`"
+        assert committed.read_text() == fresh.read_text(), (
+            f"{committed.name} is stale: run `make protos`"
+        )
