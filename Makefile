@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv clean redis
 
 setup: $(STAMP) redis
 
@@ -48,7 +48,10 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine
+bench: bench-engine bench-kv
+
+bench-kv: setup
+	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
 
 # BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests (the full run takes ~1 h here)
 bench-engine: setup

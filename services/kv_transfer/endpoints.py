@@ -11,7 +11,7 @@ from services.engine.kv_cache import KVCacheManager
 from services.kv_transfer import metrics
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint, LayoutMismatch, TransferError
 from services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
-from services.kv_transfer.staging import checksum, gather_blocks, scatter_blocks
+from services.kv_transfer.staging import StagingPool, checksum, gather_blocks, scatter_blocks
 from services.kv_transfer.transport import KvTransport
 
 
@@ -31,6 +31,7 @@ class KvExporter:
         self.layout = layout
         self.worker_id = worker_id
         self.leases = LeaseTable(kv, lease_seconds)
+        self.staging = StagingPool()
 
     def export(
         self, block_ids: list[int], num_tokens: int, host: str, port: int, transport: str
@@ -50,13 +51,19 @@ class KvExporter:
             self.leases.expire()
 
     def stage(self, transfer_id: str) -> tuple[torch.Tensor, Lease] | None:
-        """The lease's blocks gathered into one contiguous tensor, or None when there is no
-        live lease. The lease is extended so that it cannot expire mid-send."""
+        """The lease's blocks gathered into one contiguous staging tensor, or None when there is
+        no live lease. The lease is extended so that it cannot expire mid-send. Hand the tensor
+        back with :meth:`unstage` once it is sent."""
         lease = self.leases.get(transfer_id)
         if lease is None:
             return None
         self.leases.extend(transfer_id)
-        return gather_blocks(self.cache, lease.block_ids), lease
+        c = self.cache
+        buf = self.staging.take((c.shape[0], len(lease.block_ids), c.shape[2], c.shape[3]), c.dtype)
+        return gather_blocks(c, lease.block_ids, out=buf), lease
+
+    def unstage(self, staged: torch.Tensor) -> None:
+        self.staging.give(staged)
 
 
 class KvImporter:
@@ -78,6 +85,7 @@ class KvImporter:
         self.layout = layout
         self.transfer_timeout = transfer_timeout
         self.verify_checksum = verify_checksum
+        self.staging = StagingPool()
 
     @staticmethod
     def hold_key(handle: KvHandle) -> str:
@@ -104,10 +112,11 @@ class KvImporter:
                 raise ValueError(f"{len(dst_block_ids)} destination blocks for {handle.num_blocks}")
             dst = list(dst_block_ids)
         peer = f"{handle.worker_id}@{handle.host}:{handle.port}"
-        staged = torch.empty(
-            (self.layout.num_layers, handle.num_blocks, self.layout.block_size, self.layout.latent_dim),
-            dtype=self.cache.dtype, device="cpu",
-        )  # fmt: skip
+        lay = self.layout
+        shape = (lay.num_layers, handle.num_blocks, lay.block_size, lay.latent_dim)
+        # NOTE: a failed receive may still be writing into its buffer: only successful
+        # transfers hand their staging buffer back to the pool.
+        staged = self.staging.take(shape, self.cache.dtype)
         started = time.perf_counter()
         try:
             expect = await asyncio.wait_for(
@@ -126,8 +135,10 @@ class KvImporter:
                 raise
             raise err from e
         scatter_blocks(self.cache, dst, staged.to(self.cache.device))
+        nbytes = staged.numel() * staged.element_size()
+        self.staging.give(staged)
         metrics.TRANSFERS.labels(name).inc()
-        metrics.TRANSFER_BYTES.labels(name).inc(staged.numel() * staged.element_size())
+        metrics.TRANSFER_BYTES.labels(name).inc(nbytes)
         metrics.TRANSFER_SECONDS.labels(name).observe(time.perf_counter() - started)
         await self.transport.release(handle)
         return dst

@@ -52,6 +52,7 @@ class _Servicer(pb_grpc.KvTransferServicer):
             yield chunk
             if offset == 0 and self.transport.fault_delay_before_payload_s:
                 await asyncio.sleep(self.transport.fault_delay_before_payload_s)
+        self.exporter.unstage(payload)  # every chunk was copied into its message
 
     async def Release(
         self, request: pb.KvLeaseRequest, context: grpc.aio.ServicerContext

@@ -41,7 +41,9 @@ class LocalTransport(KvTransport):
         if staged is None:
             raise LeaseNotFound(handle.transfer_id, f"local exporter {handle.port}")
         into.copy_(staged[0])
-        return checksum(staged[0]) if want_checksum else None
+        crc = checksum(staged[0]) if want_checksum else None
+        self._exporter(handle).unstage(staged[0])
+        return crc
 
     async def release(self, handle: KvHandle) -> None:
         self._exporter(handle).leases.release(handle.transfer_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import torch
@@ -29,3 +30,26 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(as_bytes(t))
+
+
+class StagingPool:
+    """Reusable staging buffers by shape and dtype. A fresh multi-MB tensor per transfer spends
+    more time faulting in its pages than the copy itself takes; a freed buffer is reused."""
+
+    def __init__(self, max_idle_per_shape: int = 4) -> None:
+        self.max_idle = max_idle_per_shape
+        self._idle: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            idle = self._idle.get((shape, dtype))
+            if idle:
+                return idle.pop()
+        return torch.empty(shape, dtype=dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        with self._lock:
+            idle = self._idle.setdefault((tuple(t.shape), t.dtype), [])
+            if len(idle) < self.max_idle:
+                idle.append(t)

@@ -86,6 +86,7 @@ class UcxTransport(KvTransport):
             if self.fault_delay_before_payload_s:
                 await asyncio.sleep(self.fault_delay_before_payload_s)
             await ep.send(_bytes_view(payload))
+            exporter.unstage(payload)  # only after a completed send: a failed one may still read it
         elif op == "release":
             await _send_json(ep, {"ok": exporter.leases.release(tid)})
         elif op == "extend":

@@ -26,7 +26,7 @@ from services.kv_transfer import (
     TransferError,
     create_transport,
 )
-from tests.integration.kv_peer import make_cache
+from services.kv_transfer.synthetic_exporter import make_cache
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
 LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
@@ -36,7 +36,7 @@ LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
 def exporter_process(
     *args: str,
 ) -> Iterator[tuple[subprocess.Popen[str], list[KvHandle], list[list[int]]]]:
-    cmd = [sys.executable, "-m", "tests.integration.kv_peer", "--layers", str(LAYERS), "--blocks",
+    cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--layers", str(LAYERS), "--blocks",
            str(BLOCKS), "--block-size", str(BS), "--dim", str(DIM), "--seed", str(SEED), *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,8 +1,10 @@
-"""A KV exporter in its own process, for transfer tests.
+"""A KV exporter in its own process over a synthetic cache, for transfer tests and benchmarks.
 
-Builds a seeded random latent cache, leases blocks for each requested size, serves them over the
-chosen transport and prints one JSON line: {"handles": [...], "src_blocks": [[...], ...]}.
-It runs until its stdin closes (so a test that exits never leaves it behind) or it is killed.
+    python -m services.kv_transfer.synthetic_exporter --transport ucx --sizes 16,128,512
+
+Builds a seeded latent cache, leases blocks for each requested size, serves them over the chosen
+transport and prints one JSON line: {"handles": [...], "src_blocks": [[...], ...]}. It runs
+until its stdin closes (so a parent that exits never leaves it behind) or it is killed.
 """
 
 from __future__ import annotations
@@ -17,18 +19,26 @@ import torch
 from services.engine.kv_cache import KVCacheManager
 from services.kv_transfer import KvExporter, LayoutFingerprint, create_transport
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-def make_cache(layers: int, blocks: int, block_size: int, dim: int, seed: int) -> torch.Tensor:
+
+def make_cache(
+    layers: int, blocks: int, block_size: int, dim: int, seed: int, dtype: str = "float32"
+) -> torch.Tensor:
+    """Seeded random values (the same in every process for the same arguments)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(layers, blocks, block_size, dim, generator=gen)
+    cache = torch.empty(layers, blocks, block_size, dim, dtype=DTYPES[dtype])
+    for layer in range(layers):  # layer by layer: no float32 copy of a large bf16 cache
+        cache[layer] = torch.randn(blocks, block_size, dim, generator=gen)
+    return cache
 
 
 def layout(args: argparse.Namespace, model: str = "test-model") -> LayoutFingerprint:
-    return LayoutFingerprint(model, "float32", args.layers, args.dim, args.block_size)
+    return LayoutFingerprint(model, args.dtype, args.layers, args.dim, args.block_size)
 
 
 async def main(args: argparse.Namespace) -> None:
-    cache = make_cache(args.layers, args.blocks, args.block_size, args.dim, args.seed)
+    cache = make_cache(args.layers, args.blocks, args.block_size, args.dim, args.seed, args.dtype)
     kv = KVCacheManager(args.blocks, args.block_size)
     exporter = KvExporter(
         cache, kv, layout(args), worker_id="prefill-test", lease_seconds=args.lease_seconds
@@ -42,7 +52,10 @@ async def main(args: argparse.Namespace) -> None:
     handles, srcs = [], []
     for i, n in enumerate(int(s) for s in args.sizes.split(",")):
         # as a prefill would: a request holds the blocks, the lease pins them, the request ends
-        src, perm = perm[:n], perm[n:]
+        if args.reuse_blocks:  # benchmarks: every lease over the same blocks
+            src = perm[:n]
+        else:
+            src, perm = perm[:n], perm[n:]
         kv.hold(f"request-{i}", src)
         handle = exporter.export(src, n * args.block_size, "127.0.0.1", port, args.transport)
         kv.release_hold(f"request-{i}")
@@ -65,5 +78,7 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--sizes", default="4")
     ap.add_argument("--lease-seconds", type=float, default=30.0)
-    ap.add_argument("--fault-delay", type=float, default=0.0)
+    ap.add_argument("--fault-delay", type=float, default=0.0, help="stall before payloads (tests)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--reuse-blocks", action="store_true", help="lease the same blocks repeatedly")
     asyncio.run(main(ap.parse_args()))

@@ -1,0 +1,231 @@
+"""KV transfer bandwidth and latency between two processes on this host, side by side.
+
+For each layout (the `small` preset's cache, and DeepSeek-V3's: 61 layers x 576 values x bf16,
+on a synthetic cache) and 1k / 8k / 32k tokens: one-shot GB/s over `ucx` and `grpc` (an exporter
+process, this process importing), a local gather + scatter of the same blocks (the memory
+bandwidth ceiling), and UCX's own `ucx_perftest -t tag_bw` at the same message size (the ceiling
+of UCX itself). Then p50/p99 latency of a 1k-token pull under 16 concurrent pulls.
+
+    python loadtest/bench_kv_transfer.py            # writes loadtest/results/kv_transfer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import libucx
+import torch
+
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+from services.kv_transfer.staging import gather_blocks, scatter_blocks
+from services.kv_transfer.ucx import UCX_DEFAULTS
+
+BLOCK = 64
+LAYOUTS = {"small": (6, 160, "float32"), "deepseek-v3": (61, 576, "bfloat16")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def exporter(
+    transport: str, layers: int, dim: int, dtype: str, sizes: list[int]
+) -> tuple[subprocess.Popen[str], list[KvHandle]]:
+    cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--transport", transport,
+           "--layers", str(layers), "--dim", str(dim), "--dtype", dtype, "--block-size", str(BLOCK),
+           "--blocks", str(max(sizes)), "--reuse-blocks", "--lease-seconds", "600",
+           "--sizes", ",".join(map(str, sizes))]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    return proc, [KvHandle.from_json(json.dumps(h)) for h in info["handles"]]
+
+
+async def measure(
+    transport: str,
+    layout: LayoutFingerprint,
+    handles: list[KvHandle],
+    tokens: list[int],
+    repeats: int,
+    concurrent: int,
+) -> list[dict[str, object]]:
+    n_max = max(tokens) // BLOCK
+    cache = torch.zeros(
+        layout.num_layers, n_max, BLOCK, layout.latent_dim, dtype=DTYPES[layout.dtype]
+    )
+    imp = KvImporter(
+        create_transport(transport),
+        cache,
+        KVCacheManager(n_max, BLOCK),
+        layout,
+        transfer_timeout=600,
+    )
+    queue = list(handles)
+    rows: list[dict[str, object]] = []
+    for t in tokens:
+        n = t // BLOCK
+        times = []
+        for _ in range(repeats + 1):  # the first pull warms the connection and the buffers
+            h = queue.pop(0)
+            started = time.perf_counter()
+            await imp.pull(h, list(range(n)))
+            times.append(time.perf_counter() - started)
+        nbytes = n * layout.block_bytes
+        rows.append(
+            {
+                "transport": transport,
+                "tokens": t,
+                "bytes": nbytes,
+                "gbps": nbytes / statistics.median(times[1:]) / 1e9,
+            }
+        )
+    lat: list[float] = []
+    n = tokens[0] // BLOCK
+    for _ in range(4):
+
+        async def one(h: KvHandle, dst: list[int]) -> None:
+            started = time.perf_counter()
+            await imp.pull(h, dst)
+            lat.append(time.perf_counter() - started)
+
+        batch = [queue.pop(0) for _ in range(concurrent)]
+        dsts = [[(i * n + j) % n_max for j in range(n)] for i in range(concurrent)]
+        await asyncio.gather(*(one(h, d) for h, d in zip(batch, dsts, strict=True)))
+    lat.sort()
+    rows.append({"transport": transport, "tokens": tokens[0], "concurrent": concurrent,
+                 "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3})  # fmt: skip
+    await imp.transport.close()
+    return rows
+
+
+def local_copy(
+    layout: LayoutFingerprint, tokens: list[int], repeats: int
+) -> list[dict[str, object]]:
+    n_max = max(tokens) // BLOCK
+    dtype = DTYPES[layout.dtype]
+    src = torch.ones(layout.num_layers, n_max, BLOCK, layout.latent_dim, dtype=dtype)
+    dst = torch.zeros_like(src)
+    rows: list[dict[str, object]] = []
+    for t in tokens:
+        n = t // BLOCK
+        ids = list(range(n))
+        buf = torch.empty(layout.num_layers, n, BLOCK, layout.latent_dim, dtype=dtype)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            scatter_blocks(dst, ids, gather_blocks(src, ids, out=buf))
+            times.append(time.perf_counter() - started)
+        nbytes = n * layout.block_bytes
+        rows.append(
+            {
+                "transport": "local",
+                "tokens": t,
+                "bytes": nbytes,
+                "gbps": nbytes / statistics.median(times[1:]) / 1e9,
+            }
+        )
+    return rows
+
+
+def ucx_perftest(nbytes: int, port: int) -> float:
+    """UCX's own tag_bw between two processes at one message size; GB/s."""
+    root = Path(libucx.__file__).parent
+    env = {
+        **os.environ,
+        **UCX_DEFAULTS,
+        "LD_LIBRARY_PATH": f"{root / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+    }
+    iters = str(max(5, min(200, (4 << 30) // nbytes)))
+    args = ["-p", str(port), "-t", "tag_bw", "-s", str(nbytes), "-n", iters]
+    server = subprocess.Popen(
+        [str(root / "bin" / "ucx_perftest"), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(1.0)
+        out = subprocess.run([str(root / "bin" / "ucx_perftest"), "127.0.0.1", *args], env=env,
+                             capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+    final = next(line for line in out.splitlines() if line.startswith("Final:"))
+    return float(final.split()[6]) * 1e6 / 1e9  # "overall" MB/s column
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", default="1024,8192,32768")
+    ap.add_argument("--layouts", default="small,deepseek-v3")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument(
+        "--ucx-progress-mode",
+        default=None,
+        choices=["thread", "polling", "blocking"],
+        help="ucxx progress mode of both processes (UCXPY_PROGRESS_MODE); default: ucxx's",
+    )
+    ap.add_argument("--out", default="loadtest/results/kv_transfer.json")
+    args = ap.parse_args()
+    if args.ucx_progress_mode:  # before ucxx is imported here, and inherited by the exporters
+        os.environ["UCXPY_PROGRESS_MODE"] = args.ucx_progress_mode
+    tokens = [int(t) for t in args.tokens.split(",")]
+    results: list[dict[str, object]] = []
+    for name in args.layouts.split(","):
+        layers, dim, dtype = LAYOUTS[name]
+        layout = LayoutFingerprint("test-model", dtype, layers, dim, BLOCK)
+        sizes = [t // BLOCK for t in tokens for _ in range(args.repeats + 1)] + [
+            tokens[0] // BLOCK
+        ] * (4 * args.concurrent)
+        for transport in ("ucx", "grpc"):
+            proc, handles = exporter(transport, layers, dim, dtype, sizes)
+            try:
+                rows = asyncio.run(
+                    measure(transport, layout, handles, tokens, args.repeats, args.concurrent)
+                )
+            finally:
+                proc.kill()
+                proc.wait()
+            results += [{**r, "layout": name} for r in rows]
+            print(f"{name} {transport}: {rows}", flush=True)
+        results += [{**r, "layout": name} for r in local_copy(layout, tokens, args.repeats)]
+        for t in tokens:
+            nbytes = t // BLOCK * layout.block_bytes
+            results.append(
+                {
+                    "transport": "ucx_perftest",
+                    "layout": name,
+                    "tokens": t,
+                    "bytes": nbytes,
+                    "gbps": ucx_perftest(nbytes, 13400 + t % 97),
+                }
+            )
+        print(json.dumps([r for r in results if r["layout"] == name], indent=1), flush=True)
+    out = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "ucx_env": UCX_DEFAULTS,
+            "ucx_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "ucxx default (thread)"),
+        },
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
