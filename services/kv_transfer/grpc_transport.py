@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -85,7 +85,13 @@ class GrpcTransport(KvTransport):
             self._channels[key] = grpc.aio.insecure_channel(f"{handle.host}:{handle.port}")
         return pb_grpc.KvTransferStub(self._channels[key])
 
-    async def fetch(self, handle: KvHandle, into: torch.Tensor, want_checksum: bool) -> int | None:
+    async def fetch(
+        self,
+        handle: KvHandle,
+        into: torch.Tensor,
+        want_checksum: bool,
+        on_layers: Callable[[int, int], None] | None = None,
+    ) -> int | None:
         dst = as_bytes(into)
         peer = f"{handle.worker_id} at {handle.host}:{handle.port}"
         crc: int | None = None

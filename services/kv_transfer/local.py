@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +37,13 @@ class LocalTransport(KvTransport):
             raise LeaseNotFound(handle.transfer_id, f"local exporter {handle.port}")
         return exporter
 
-    async def fetch(self, handle: KvHandle, into: torch.Tensor, want_checksum: bool) -> int | None:
+    async def fetch(
+        self,
+        handle: KvHandle,
+        into: torch.Tensor,
+        want_checksum: bool,
+        on_layers: Callable[[int, int], None] | None = None,
+    ) -> int | None:
         staged = self._exporter(handle).stage(handle.transfer_id)
         if staged is None:
             raise LeaseNotFound(handle.transfer_id, f"local exporter {handle.port}")

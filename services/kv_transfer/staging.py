@@ -23,6 +23,29 @@ def scatter_blocks(cache: torch.Tensor, block_ids: list[int], staged: torch.Tens
     cache.index_copy_(1, idx, staged)
 
 
+def gather_layers(
+    cache: torch.Tensor, idx: torch.Tensor, staged: torch.Tensor, l0: int, l1: int
+) -> None:
+    """staged[l0:l1] = cache[l0:l1][:, idx] (one chunk of a pipelined send)."""
+    torch.index_select(cache[l0:l1], 1, idx, out=staged[l0:l1])
+
+
+def scatter_layers(
+    cache: torch.Tensor, idx: torch.Tensor, staged: torch.Tensor, l0: int, l1: int
+) -> None:
+    """cache[l0:l1][:, idx] = staged[l0:l1] (one chunk of a pipelined receive)."""
+    cache[l0:l1].index_copy_(1, idx, staged[l0:l1])
+
+
+def layer_chunks(
+    num_layers: int, layer_bytes: int, target_bytes: int = 32 << 20
+) -> list[tuple[int, int]]:
+    """Split the layers into runs of about ``target_bytes``, so that copying one run overlaps
+    with sending or receiving the next."""
+    per = max(1, target_bytes // max(1, layer_bytes))
+    return [(lo, min(lo + per, num_layers)) for lo in range(0, num_layers, per)]
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
     return t.contiguous().view(torch.uint8).reshape(-1).numpy().data

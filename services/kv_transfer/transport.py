@@ -24,9 +24,17 @@ class KvTransport(ABC):
         """Start serving ``exporter``'s leases; returns the bound port."""
 
     @abstractmethod
-    async def fetch(self, handle: KvHandle, into: torch.Tensor, want_checksum: bool) -> int | None:
-        """Receive the payload of ``handle`` into ``into`` (contiguous CPU tensor of the right
-        size); returns the exporter's checksum when asked for. Raises TransferError."""
+    async def fetch(
+        self,
+        handle: KvHandle,
+        into: torch.Tensor,
+        want_checksum: bool,
+        on_layers: Callable[[int, int], None] | None = None,
+    ) -> int | None:
+        """Receive the payload of ``handle`` into ``into`` ([layers, blocks, block_size, dim],
+        contiguous, CPU); returns the exporter's checksum when asked for. A transport that
+        receives layer by layer calls ``on_layers(l0, l1)`` as layers [l0, l1) land, for all of
+        them, or never. Raises TransferError."""
 
     @abstractmethod
     async def release(self, handle: KvHandle) -> None:
