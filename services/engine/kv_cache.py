@@ -241,9 +241,10 @@ class KVCacheManager:
         pool = self.pool
         with self.lock:
             cached = sum(1 for b in pool.free if pool.block_hash[b] is not None)
+            num_free = pool.num_free
         return {
             "total": pool.num_blocks,
-            "in_use": pool.num_blocks - pool.num_free,
+            "in_use": pool.num_blocks - num_free,
             "cached": cached,
-            "free": pool.num_free - cached,
+            "free": num_free - cached,
         }
