@@ -9,6 +9,10 @@ from typing import Any
 
 import torch
 
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import ByteTokenizer
+
 TINY_HF: dict[str, Any] = {
     "vocab_size": 384,
     "hidden_size": 64,
@@ -135,3 +139,11 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
             )  # fmt: skip
             outs.append(seq[0, len(ids) :].tolist())
     return outs
+
+
+def make_request(rid: str, tokens: list[int], params: SamplingParams | None = None) -> Request:
+    """A bare engine Request, for tests of the block pool and the sampler."""
+    return Request(
+        request_id=rid, prompt_token_ids=tokens, params=params or SamplingParams(),
+        max_total_tokens=10_000, detokenizer=ByteTokenizer().detokenizer(),
+    )  # fmt: skip

@@ -67,7 +67,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.outputs = OutputProcessor(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
+        self._generate_calls = itertools.count()
         self.num_preemptions = 0
         self.last_step: StepStats | None = None
 
@@ -114,7 +114,6 @@ class Engine:
             params=params,
             max_total_tokens=total,
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
-            arrival=next(self._arrivals),
             generator=gen,
         )
         self.requests[request_id] = req
@@ -206,7 +205,7 @@ class Engine:
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_lists, plist, strict=True):
             self.validate(ids, p)
-        base = next(self._arrivals)
+        base = next(self._generate_calls)
         ids_ = [f"generate-{base}-{i}" for i in range(len(prompts))]
         for rid, ids, p in zip(ids_, token_lists, plist, strict=True):
             self.add_request(rid, ids, p)

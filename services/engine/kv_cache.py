@@ -167,7 +167,8 @@ class KVCacheManager:
 
     # ---- references held outside requests (KV transfer) -----------------------------------
     def hold(self, key: str, block_ids: list[int]) -> None:
-        """Add a reference to blocks some request already has (a lease pins them past it)."""
+        """Add a reference to ``block_ids`` under ``key``: a lease pins a request's blocks past
+        the request's end (unreferenced blocks are taken out of the free queue)."""
         with self.lock:
             if key in self.holds:
                 raise KeyError(f"hold {key!r} exists")

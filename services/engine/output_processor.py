@@ -18,7 +18,9 @@ class OutputProcessor:
         p = req.params
         req.output_token_ids.append(token)
         if logprobs is not None:
-            req.logprobs = [*(req.logprobs or []), logprobs]
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(logprobs)
         n_out = len(req.output_token_ids)
         can_stop = n_out >= p.min_tokens
         if can_stop and not p.ignore_eos and token in self.eos_token_ids:

@@ -27,7 +27,6 @@ class Request:
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output tokens it may get
     detokenizer: IncrementalDetokenizer
-    arrival: int  # FCFS order
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

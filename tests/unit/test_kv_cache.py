@@ -6,15 +6,7 @@ import pytest
 
 from services.engine.kv_cache import KVCacheManager, hash_block
 from services.engine.request import Request
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import ByteTokenizer
-
-
-def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(
-        request_id=rid, prompt_token_ids=tokens, params=SamplingParams(), max_total_tokens=10_000,
-        detokenizer=ByteTokenizer().detokenizer(), arrival=0,
-    )  # fmt: skip
+from tests.helpers import make_request
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
-from tests.unit.test_kv_cache import make_request
+from tests.helpers import make_request
 
 
 def req(params: SamplingParams, prompt: list[int] | None = None, out: list[int] | None = None):  # type: ignore[no-untyped-def]
@@ -69,10 +69,9 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     s = Sampler(eos_token_ids=[])
     logits = torch.randn(33, 50, generator=torch.Generator().manual_seed(3))
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
-    alone = [s(logits[:1], [req(p)]).token_ids[0] for _ in range(1)]
-    r = req(p)
+    alone = s(logits[:1], [req(p)]).token_ids[0]
     batch = [req(SamplingParams(temperature=1.0)) for _ in range(32)]
-    assert s(logits, [r, *batch]).token_ids[0] == alone[0]
+    assert s(logits, [req(p), *batch]).token_ids[0] == alone
 
 
 def test_logprobs_from_raw_logits() -> None:
