@@ -33,15 +33,20 @@ from services.kv_transfer.ucx import UCX_DEFAULTS
 BLOCK = 64
 LAYOUTS = {"small": (6, 160, "float32"), "deepseek-v3": (61, 576, "bfloat16")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Block placement on both sides: "contiguous" ids (one run per transfer, as a fresh cache hands
+# out) move in place; "scattered" (random ids on both sides) are staged and copied on both sides.
+RUNS = [("ucx", "contiguous"), ("ucx", "scattered"), ("grpc", "contiguous")]
 
 
 def exporter(
-    transport: str, layers: int, dim: int, dtype: str, sizes: list[int]
+    transport: str, layers: int, dim: int, dtype: str, sizes: list[int], blocks: str
 ) -> tuple[subprocess.Popen[str], list[KvHandle]]:
     cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--transport", transport,
            "--layers", str(layers), "--dim", str(dim), "--dtype", dtype, "--block-size", str(BLOCK),
            "--blocks", str(max(sizes)), "--reuse-blocks", "--lease-seconds", "600",
            "--sizes", ",".join(map(str, sizes))]  # fmt: skip
+    if blocks == "contiguous":
+        cmd.append("--contiguous")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
@@ -50,6 +55,7 @@ def exporter(
 
 async def measure(
     transport: str,
+    blocks: str,
     layout: LayoutFingerprint,
     handles: list[KvHandle],
     tokens: list[int],
@@ -69,18 +75,21 @@ async def measure(
     )
     queue = list(handles)
     rows: list[dict[str, object]] = []
+    perm = torch.randperm(n_max, generator=torch.Generator().manual_seed(7)).tolist()
     for t in tokens:
         n = t // BLOCK
+        dst = list(range(n)) if blocks == "contiguous" else perm[:n]
         times = []
         for _ in range(repeats + 1):  # the first pull warms the connection and the buffers
             h = queue.pop(0)
             started = time.perf_counter()
-            await imp.pull(h, list(range(n)))
+            await imp.pull(h, dst)
             times.append(time.perf_counter() - started)
         nbytes = n * layout.block_bytes
         rows.append(
             {
                 "transport": transport,
+                "blocks": blocks,
                 "tokens": t,
                 "bytes": nbytes,
                 "gbps": nbytes / statistics.median(times[1:]) / 1e9,
@@ -96,10 +105,13 @@ async def measure(
             lat.append(time.perf_counter() - started)
 
         batch = [queue.pop(0) for _ in range(concurrent)]
-        dsts = [[(i * n + j) % n_max for j in range(n)] for i in range(concurrent)]
+        if blocks == "contiguous":
+            dsts = [[(i * n + j) % n_max for j in range(n)] for i in range(concurrent)]
+        else:
+            dsts = [[perm[(i * n + j) % n_max] for j in range(n)] for i in range(concurrent)]
         await asyncio.gather(*(one(h, d) for h, d in zip(batch, dsts, strict=True)))
     lat.sort()
-    rows.append({"transport": transport, "tokens": tokens[0], "concurrent": concurrent,
+    rows.append({"transport": transport, "blocks": blocks, "tokens": tokens[0], "concurrent": concurrent,
                  "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3})  # fmt: skip
     await imp.transport.close()
     return rows
@@ -158,7 +170,7 @@ def ucx_perftest(nbytes: int, port: int) -> float:
         server.kill()
         server.wait()
     final = next(line for line in out.splitlines() if line.startswith("Final:"))
-    return float(final.split()[6]) * 1e6 / 1e9  # "overall" MB/s column
+    return float(final.split()[6]) * 2**20 / 1e9  # "overall" column, in MiB/s (UCS_MBYTE)
 
 
 def main() -> None:
@@ -187,17 +199,19 @@ def main() -> None:
         sizes = [t // BLOCK for t in tokens for _ in range(args.repeats + 1)] + [
             tokens[0] // BLOCK
         ] * (4 * args.concurrent)
-        for transport in ("ucx", "grpc"):
-            proc, handles = exporter(transport, layers, dim, dtype, sizes)
+        for transport, blocks in RUNS:
+            proc, handles = exporter(transport, layers, dim, dtype, sizes, blocks)
             try:
                 rows = asyncio.run(
-                    measure(transport, layout, handles, tokens, args.repeats, args.concurrent)
+                    measure(
+                        transport, blocks, layout, handles, tokens, args.repeats, args.concurrent
+                    )
                 )
             finally:
                 proc.kill()
                 proc.wait()
             results += [{**r, "layout": name} for r in rows]
-            print(f"{name} {transport}: {rows}", flush=True)
+            print(f"{name} {transport} {blocks}: {rows}", flush=True)
         results += [{**r, "layout": name} for r in local_copy(layout, tokens, args.repeats)]
         for t in tokens:
             nbytes = t // BLOCK * layout.block_bytes

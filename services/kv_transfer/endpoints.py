@@ -11,14 +11,8 @@ from services.engine.kv_cache import KVCacheManager
 from services.kv_transfer import metrics
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint, LayoutMismatch, TransferError
 from services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
-from services.kv_transfer.staging import (
-    StagingPool,
-    checksum,
-    gather_blocks,
-    scatter_blocks,
-    scatter_layers,
-)
-from services.kv_transfer.transport import KvTransport
+from services.kv_transfer.staging import StagingPool, checksum_blocks, gather_blocks
+from services.kv_transfer.transport import KvSink, KvTransport
 
 
 class KvExporter:
@@ -56,24 +50,26 @@ class KvExporter:
             await asyncio.sleep(interval)
             self.leases.expire()
 
-    def open_send(self, transfer_id: str) -> tuple[torch.Tensor, Lease] | None:
-        """A staging buffer for the lease's blocks, not yet filled, or None when there is no live
-        lease. The lease is extended so that it cannot expire mid-send."""
+    def open_send(self, transfer_id: str) -> Lease | None:
+        """The live lease of ``transfer_id``, extended so that it cannot expire mid-send, or None."""
         lease = self.leases.get(transfer_id)
         if lease is None:
             return None
         self.leases.extend(transfer_id)
+        return lease
+
+    def take_staging(self, num_blocks: int) -> torch.Tensor:
+        """An unfilled [layers, num_blocks, block_size, dim] buffer; give it back with :meth:`unstage`."""
         c = self.cache
-        buf = self.staging.take((c.shape[0], len(lease.block_ids), c.shape[2], c.shape[3]), c.dtype)
-        return buf, lease
+        return self.staging.take((c.shape[0], num_blocks, c.shape[2], c.shape[3]), c.dtype)
 
     def stage(self, transfer_id: str) -> tuple[torch.Tensor, Lease] | None:
         """The lease's blocks gathered into one contiguous staging tensor (see :meth:`open_send`).
         Hand the tensor back with :meth:`unstage` once it is sent."""
-        opened = self.open_send(transfer_id)
-        if opened is None:
+        lease = self.open_send(transfer_id)
+        if lease is None:
             return None
-        buf, lease = opened
+        buf = self.take_staging(len(lease.block_ids))
         return gather_blocks(self.cache, lease.block_ids, out=buf), lease
 
     def unstage(self, staged: torch.Tensor) -> None:
@@ -126,35 +122,23 @@ class KvImporter:
                 raise ValueError(f"{len(dst_block_ids)} destination blocks for {handle.num_blocks}")
             dst = list(dst_block_ids)
         peer = f"{handle.worker_id}@{handle.host}:{handle.port}"
-        lay = self.layout
-        shape = (lay.num_layers, handle.num_blocks, lay.block_size, lay.latent_dim)
-        # NOTE: a failed receive may still be writing into its buffer: only successful
-        # transfers hand their staging buffer back to the pool.
-        staged = self.staging.take(shape, self.cache.dtype)
-        idx = torch.tensor(dst, dtype=torch.long, device=self.cache.device)
-        loop = asyncio.get_running_loop()
-        scatters: list[asyncio.Future[None]] = []
-
-        def on_layers(l0: int, l1: int) -> None:
-            # layers [l0, l1) have landed: copy them into the cache while the rest arrive
-            scatters.append(
-                loop.run_in_executor(None, scatter_layers, self.cache, idx, staged, l0, l1)
-            )
-
+        sink = KvSink(self.cache, dst, self.staging)
         started = time.perf_counter()
         try:
             expect = await asyncio.wait_for(
-                self.transport.fetch(handle, staged, self.verify_checksum, on_layers),
-                self.transfer_timeout,
+                self.transport.fetch(handle, sink, self.verify_checksum), self.transfer_timeout
             )
-            await asyncio.gather(*scatters)
-            if self.verify_checksum and expect is not None and checksum(staged) != expect:
+            await sink.finish()
+            if (
+                self.verify_checksum
+                and expect is not None
+                and checksum_blocks(self.cache, dst) != expect
+            ):
                 raise TransferError(
                     "checksum", f"transfer {handle.transfer_id} from {peer}: checksum mismatch"
                 )
         except BaseException as e:
-            # no copy may still be writing into blocks that go back to the pool
-            await asyncio.gather(*scatters, return_exceptions=True)
+            await sink.abandon()  # no copy may still be writing into blocks that go back
             if dst_block_ids is None:
                 self.kv.release_hold(key)
             reason, err = _classify(e, handle, peer, self.transfer_timeout)
@@ -162,10 +146,7 @@ class KvImporter:
             if err is e:
                 raise
             raise err from e
-        if not scatters:  # the transport delivered the payload whole
-            scatter_blocks(self.cache, dst, staged.to(self.cache.device))
-        nbytes = staged.numel() * staged.element_size()
-        self.staging.give(staged)
+        nbytes = sink.nbytes
         metrics.TRANSFERS.labels(name).inc()
         metrics.TRANSFER_BYTES.labels(name).inc(nbytes)
         metrics.TRANSFER_SECONDS.labels(name).observe(time.perf_counter() - started)

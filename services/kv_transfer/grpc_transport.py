@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
 from services.kv_transfer.handle import LeaseNotFound, TransferError
 from services.kv_transfer.staging import as_bytes, checksum
-from services.kv_transfer.transport import KvTransport, register
+from services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
     from services.kv_transfer.endpoints import KvExporter
@@ -85,14 +84,8 @@ class GrpcTransport(KvTransport):
             self._channels[key] = grpc.aio.insecure_channel(f"{handle.host}:{handle.port}")
         return pb_grpc.KvTransferStub(self._channels[key])
 
-    async def fetch(
-        self,
-        handle: KvHandle,
-        into: torch.Tensor,
-        want_checksum: bool,
-        on_layers: Callable[[int, int], None] | None = None,
-    ) -> int | None:
-        dst = as_bytes(into)
+    async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
+        dst = as_bytes(sink.staged())
         peer = f"{handle.worker_id} at {handle.host}:{handle.port}"
         crc: int | None = None
         received = 0

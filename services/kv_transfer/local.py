@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.kv_transfer.handle import LeaseNotFound
-from services.kv_transfer.staging import checksum
-from services.kv_transfer.transport import KvTransport, register
+from services.kv_transfer.staging import checksum_blocks, gather_blocks
+from services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
     from services.kv_transfer.endpoints import KvExporter
@@ -37,20 +34,13 @@ class LocalTransport(KvTransport):
             raise LeaseNotFound(handle.transfer_id, f"local exporter {handle.port}")
         return exporter
 
-    async def fetch(
-        self,
-        handle: KvHandle,
-        into: torch.Tensor,
-        want_checksum: bool,
-        on_layers: Callable[[int, int], None] | None = None,
-    ) -> int | None:
-        staged = self._exporter(handle).stage(handle.transfer_id)
-        if staged is None:
+    async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
+        exporter = self._exporter(handle)
+        lease = exporter.leases.get(handle.transfer_id)
+        if lease is None:
             raise LeaseNotFound(handle.transfer_id, f"local exporter {handle.port}")
-        into.copy_(staged[0])
-        crc = checksum(staged[0]) if want_checksum else None
-        self._exporter(handle).unstage(staged[0])
-        return crc
+        gather_blocks(exporter.cache, lease.block_ids, out=sink.staged())  # sink scatters it
+        return checksum_blocks(exporter.cache, lease.block_ids) if want_checksum else None
 
     async def release(self, handle: KvHandle) -> None:
         self._exporter(handle).leases.release(handle.transfer_id)

@@ -50,9 +50,13 @@ async def main(args: argparse.Namespace) -> None:
         args.blocks, generator=torch.Generator().manual_seed(args.seed + 1)
     ).tolist()
     handles, srcs = [], []
+    next_free = 0
     for i, n in enumerate(int(s) for s in args.sizes.split(",")):
         # as a prefill would: a request holds the blocks, the lease pins them, the request ends
-        if args.reuse_blocks:  # benchmarks: every lease over the same blocks
+        if args.contiguous:  # consecutive block ids: sent in place, without a gather
+            src = list(range(n)) if args.reuse_blocks else list(range(next_free, next_free + n))
+            next_free += 0 if args.reuse_blocks else n
+        elif args.reuse_blocks:  # benchmarks: every lease over the same blocks
             src = perm[:n]
         else:
             src, perm = perm[:n], perm[n:]
@@ -80,5 +84,6 @@ if __name__ == "__main__":
     ap.add_argument("--lease-seconds", type=float, default=30.0)
     ap.add_argument("--fault-delay", type=float, default=0.0, help="stall before payloads (tests)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--contiguous", action="store_true", help="lease runs of consecutive blocks")
     ap.add_argument("--reuse-blocks", action="store_true", help="lease the same blocks repeatedly")
     asyncio.run(main(ap.parse_args()))

@@ -1,17 +1,92 @@
-"""The transport interface and its registry. A transport moves one staged payload per transfer;
-the exporter/importer around it own leases, layout checks and the cache."""
+"""The transport interface, its registry, and the sink a transport lands a pull in. The
+exporter/importer around a transport own leases, layout checks and the cache's bookkeeping."""
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from services.kv_transfer.staging import StagingPool, scatter_layers
+
+# After a failed in-place receive, the peer may still be finishing one message it had started
+# writing into the blocks (a rendezvous put already granted): wait this long before the blocks
+# can go back to the pool. One message is at most a layer's run, tens of ms at these rates.
+IN_PLACE_GRACE_S = 0.5
+
 if TYPE_CHECKING:
     from services.kv_transfer.endpoints import KvExporter
     from services.kv_transfer.handle import KvHandle
+
+
+class KvSink:
+    """Where one pull lands: the destination blocks of the importer's cache, in transfer order.
+
+    A transport writes either straight into runs of those blocks (:meth:`blocks`) or into
+    :meth:`staged`, a contiguous [layers, blocks, block_size, dim] buffer. For a staged receive
+    it calls :meth:`landed` as layers complete, so that they are scattered into the cache while
+    the rest arrives; a staged buffer that was never reported is scattered whole by :meth:`finish`.
+    """
+
+    def __init__(self, cache: torch.Tensor, block_ids: list[int], pool: StagingPool) -> None:
+        self.cache = cache
+        self.block_ids = block_ids
+        self._pool = pool
+        self._staged: torch.Tensor | None = None
+        self._idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        self._copies: list[asyncio.Future[None]] = []
+        self._in_place = False
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        return self.cache[0, 0].numel() * self.cache.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.shape[0] * len(self.block_ids) * self.layer_block_bytes
+
+    def blocks(self, layer: int, offset: int, n: int) -> torch.Tensor:
+        """The cache view of blocks ``offset .. offset + n`` of the transfer in one layer; they
+        must be consecutive block ids."""
+        first = self.block_ids[offset]
+        if self.block_ids[offset + n - 1] != first + n - 1:
+            raise ValueError(f"blocks {offset}..{offset + n} of the transfer are not one run")
+        self._in_place = True
+        return self.cache[layer, first : first + n]
+
+    def staged(self) -> torch.Tensor:
+        if self._staged is None:
+            c = self.cache
+            shape = (c.shape[0], len(self.block_ids), c.shape[2], c.shape[3])
+            self._staged = self._pool.take(shape, c.dtype)
+        return self._staged
+
+    def landed(self, l0: int, l1: int) -> None:
+        """Staged layers [l0, l1) are complete: copy them into the cache in the background."""
+        loop = asyncio.get_running_loop()
+        self._copies.append(
+            loop.run_in_executor(None, scatter_layers, self.cache, self._idx, self.staged(), l0, l1)
+        )
+
+    async def finish(self) -> None:
+        """Wait until every byte is in the cache, then hand the staging buffer back."""
+        if self._staged is not None and not self._copies:
+            self.landed(0, self.cache.shape[0])
+        await asyncio.gather(*self._copies)
+        if self._staged is not None:
+            self._pool.give(self._staged)
+            self._staged = None
+
+    async def abandon(self) -> None:
+        """After a failure: wait for copies still writing into the blocks. The staging buffer is
+        not reused, since a failed receive may still be writing into it."""
+        await asyncio.gather(*self._copies, return_exceptions=True)
+        if self._in_place:
+            await asyncio.sleep(IN_PLACE_GRACE_S)
 
 
 class KvTransport(ABC):
@@ -24,17 +99,10 @@ class KvTransport(ABC):
         """Start serving ``exporter``'s leases; returns the bound port."""
 
     @abstractmethod
-    async def fetch(
-        self,
-        handle: KvHandle,
-        into: torch.Tensor,
-        want_checksum: bool,
-        on_layers: Callable[[int, int], None] | None = None,
-    ) -> int | None:
-        """Receive the payload of ``handle`` into ``into`` ([layers, blocks, block_size, dim],
-        contiguous, CPU); returns the exporter's checksum when asked for. A transport that
-        receives layer by layer calls ``on_layers(l0, l1)`` as layers [l0, l1) land, for all of
-        them, or never. Raises TransferError."""
+    async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
+        """Receive the blocks of ``handle`` into ``sink``; returns the exporter's checksum of
+        them (:func:`~services.kv_transfer.staging.checksum_blocks`) when asked for. Raises
+        TransferError."""
 
     @abstractmethod
     async def release(self, handle: KvHandle) -> None:

@@ -15,15 +15,21 @@ import contextlib
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from services.kv_transfer.handle import LeaseNotFound, TransferError
-from services.kv_transfer.staging import checksum, gather_layers, layer_chunks
-from services.kv_transfer.transport import KvTransport, register
+from services.kv_transfer.staging import (
+    TransferPlan,
+    block_runs,
+    checksum_blocks,
+    gather_layers,
+    layer_chunks,
+    runs_of,
+)
+from services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
     from services.kv_transfer.endpoints import KvExporter
@@ -63,6 +69,25 @@ async def _recv_json(ep: Any) -> dict[str, Any]:
     return msg
 
 
+async def _receive(ep: Any, sink: KvSink, header: dict[str, Any]) -> None:
+    """Receive the messages the exporter's header announced, in the exporter's order."""
+    if "chunks" in header:  # staged on both sides
+        for l0, l1 in header["chunks"]:
+            await ep.recv(_bytes_view(sink.staged()[l0:l1]))
+            sink.landed(l0, l1)
+        return
+    plan = TransferPlan.from_json(header["plan"])
+    for layer in range(sink.cache.shape[0]):
+        for off, n in plan.pieces:
+            if plan.dst_in_place:
+                part = sink.blocks(layer, off, n)
+            else:
+                part = sink.staged()[layer, off : off + n]
+            await ep.recv(_bytes_view(part))
+        if not plan.dst_in_place:
+            sink.landed(layer, layer + 1)
+
+
 @register("ucx")
 class UcxTransport(KvTransport):
     def __init__(self, connect_timeout: float = 5.0) -> None:
@@ -85,7 +110,7 @@ class UcxTransport(KvTransport):
     async def _answer(self, exporter: KvExporter, ep: Any, msg: dict[str, Any]) -> None:
         op, tid = msg.get("op"), msg.get("transfer_id", "")
         if op == "pull":
-            await self._send_payload(exporter, ep, tid, bool(msg.get("checksum")))
+            await self._send_payload(exporter, ep, msg)
         elif op == "release":
             await _send_json(ep, {"ok": exporter.leases.release(tid)})
         elif op == "extend":
@@ -93,35 +118,59 @@ class UcxTransport(KvTransport):
         else:
             await _send_json(ep, {"ok": False, "reason": f"unknown op {op!r}"})
 
-    async def _send_payload(self, exporter: KvExporter, ep: Any, tid: str, want_crc: bool) -> None:
-        opened = exporter.open_send(tid)
-        if opened is None:
+    async def _send_payload(self, exporter: KvExporter, ep: Any, msg: dict[str, Any]) -> None:
+        lease = exporter.open_send(msg["transfer_id"])
+        if lease is None:
             await _send_json(ep, {"ok": False, "reason": "not_found"})
             return
-        buf, lease = opened
-        cache = exporter.cache
-        idx = torch.tensor(lease.block_ids, dtype=torch.long, device=cache.device)
-        chunks = layer_chunks(buf.shape[0], buf[0].numel() * buf.element_size())
-        loop = asyncio.get_running_loop()
-
-        def gather(i: int) -> asyncio.Future[None]:
-            return loop.run_in_executor(None, gather_layers, cache, idx, buf, *chunks[i])
-
-        crc = None
-        if want_crc:  # the checksum needs the whole payload before the header
-            await asyncio.gather(*(gather(i) for i in range(len(chunks))))
-            crc = checksum(buf)
-        nbytes = buf.numel() * buf.element_size()
-        await _send_json(ep, {"ok": True, "nbytes": nbytes, "checksum": crc, "chunks": chunks})
+        cache, src = exporter.cache, lease.block_ids
+        dst = runs_of(msg["dst_runs"])
+        if len(dst) != len(src):
+            reason = f"{len(src)} blocks leased, {len(dst)} destination blocks asked for"
+            await _send_json(ep, {"ok": False, "reason": reason})
+            return
+        layer_block_bytes = cache[0, 0].numel() * cache.element_size()
+        plan = TransferPlan.make(src, dst, layer_block_bytes)
+        crc = checksum_blocks(cache, src) if msg.get("checksum") else None
+        num_layers = cache.shape[0]
+        # Staged sends go out in layer chunks: chunk i+1 is gathered while chunk i is sent.
+        chunks = layer_chunks(num_layers, len(src) * layer_block_bytes)
+        header: dict[str, Any] = {"ok": True, "nbytes": num_layers * len(src) * layer_block_bytes,
+                                  "checksum": crc}  # fmt: skip
+        header.update({"chunks": chunks} if plan is None else {"plan": plan.to_json()})
+        await _send_json(ep, header)
         if self.fault_delay_before_payload_s:
             await asyncio.sleep(self.fault_delay_before_payload_s)
-        pending = None if want_crc else gather(0)
+
+        staged = None if plan is not None and plan.src_in_place else exporter.take_staging(len(src))
+        loop = asyncio.get_running_loop()
+        idx = torch.tensor(src, dtype=torch.long, device=cache.device)
+
+        def gather(i: int) -> asyncio.Future[None] | None:
+            if staged is None or i >= len(chunks):
+                return None
+            return loop.run_in_executor(None, gather_layers, cache, idx, staged, *chunks[i])
+
+        pending = gather(0)
         for i, (l0, l1) in enumerate(chunks):
             if pending is not None:
                 await pending
-                pending = gather(i + 1) if i + 1 < len(chunks) else None
-            await ep.send(_bytes_view(buf[l0:l1]))
-        exporter.unstage(buf)  # only after every send completed: a failed one may still read it
+                pending = gather(i + 1)
+            if plan is None:
+                assert staged is not None
+                await ep.send(_bytes_view(staged[l0:l1]))
+                continue
+            for layer in range(l0, l1):
+                for off, n in plan.pieces:
+                    if staged is None:  # in place: the run straight out of the cache
+                        part = cache[layer, src[off] : src[off] + n]
+                    else:
+                        part = staged[layer, off : off + n]
+                    await ep.send(_bytes_view(part))
+        if staged is not None:
+            exporter.unstage(
+                staged
+            )  # only after every send completed: a failed one may still read it
 
     # ---- importer -------------------------------------------------------------------------
     async def _connect(self, handle: KvHandle) -> Any:
@@ -143,11 +192,7 @@ class UcxTransport(KvTransport):
             ) from e  # fmt: skip
 
     async def _call(
-        self,
-        handle: KvHandle,
-        msg: dict[str, Any],
-        into: torch.Tensor | None = None,
-        on_layers: Callable[[int, int], None] | None = None,
+        self, handle: KvHandle, msg: dict[str, Any], sink: KvSink | None = None
     ) -> dict[str, Any]:
         """One request/response on a pooled endpoint; a broken endpoint is dropped, not reused."""
         ep = await self._connect(handle)
@@ -155,17 +200,13 @@ class UcxTransport(KvTransport):
         try:
             await _send_json(ep, msg)
             reply = await _recv_json(ep)
-            if into is not None and reply.get("ok"):
-                want = into.numel() * into.element_size()
-                if reply["nbytes"] != want:
+            if sink is not None and reply.get("ok"):
+                if reply["nbytes"] != sink.nbytes:
                     raise TransferError(
                         "size",
-                        f"transfer {handle.transfer_id}: {reply['nbytes']} bytes offered, {want} expected",
+                        f"transfer {handle.transfer_id}: {reply['nbytes']} bytes offered, {sink.nbytes} expected",
                     )
-                for l0, l1 in reply["chunks"]:
-                    await ep.recv(_bytes_view(into[l0:l1]))
-                    if on_layers is not None:
-                        on_layers(l0, l1)
+                await _receive(ep, sink, reply)
             healthy = True
             return reply
         finally:
@@ -174,18 +215,17 @@ class UcxTransport(KvTransport):
             else:
                 ep.abort()
 
-    async def fetch(
-        self,
-        handle: KvHandle,
-        into: torch.Tensor,
-        want_checksum: bool,
-        on_layers: Callable[[int, int], None] | None = None,
-    ) -> int | None:
-        msg = {"op": "pull", "transfer_id": handle.transfer_id, "checksum": want_checksum}
-        reply = await self._call(handle, msg, into, on_layers)
+    async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
+        dst_runs = [(sink.block_ids[off], n) for off, n in block_runs(sink.block_ids)]
+        msg = {"op": "pull", "transfer_id": handle.transfer_id, "checksum": want_checksum,
+               "dst_runs": dst_runs}  # fmt: skip
+        reply = await self._call(handle, msg, sink)
         if not reply.get("ok"):
-            raise LeaseNotFound(
-                handle.transfer_id, f"{handle.worker_id} at {handle.host}:{handle.port}"
+            peer = f"{handle.worker_id} at {handle.host}:{handle.port}"
+            if reply.get("reason", "not_found") == "not_found":
+                raise LeaseNotFound(handle.transfer_id, peer)
+            raise TransferError(
+                "refused", f"transfer {handle.transfer_id}: {peer} refused: {reply['reason']}"
             )
         crc: int | None = reply.get("checksum")
         return crc
