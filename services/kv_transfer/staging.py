@@ -60,6 +60,11 @@ def layer_chunks(
     return [(lo, min(lo + per, num_layers)) for lo in range(0, num_layers, per)]
 
 
+def layer_block_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block in one layer of a [layers, blocks, block_size, dim] cache."""
+    return cache[0, 0].numel() * cache.element_size()
+
+
 def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of each run of consecutive block ids, in transfer order."""
     runs: list[tuple[int, int]] = []

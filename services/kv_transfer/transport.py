@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from services.kv_transfer.staging import StagingPool, scatter_layers
+from services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter_layers
 
 # After a failed in-place receive, the peer may still be finishing one message it had started
 # writing into the blocks (a rendezvous put already granted): wait this long before the blocks
@@ -41,13 +41,8 @@ class KvSink:
         self._in_place = False
 
     @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of one block in one layer."""
-        return self.cache[0, 0].numel() * self.cache.element_size()
-
-    @property
     def nbytes(self) -> int:
-        return self.cache.shape[0] * len(self.block_ids) * self.layer_block_bytes
+        return self.cache.shape[0] * len(self.block_ids) * layer_block_bytes(self.cache)
 
     def blocks(self, layer: int, offset: int, n: int) -> torch.Tensor:
         """The cache view of blocks ``offset .. offset + n`` of the transfer in one layer; they

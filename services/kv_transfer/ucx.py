@@ -26,6 +26,7 @@ from services.kv_transfer.staging import (
     block_runs,
     checksum_blocks,
     gather_layers,
+    layer_block_bytes,
     layer_chunks,
     runs_of,
 )
@@ -129,13 +130,13 @@ class UcxTransport(KvTransport):
             reason = f"{len(src)} blocks leased, {len(dst)} destination blocks asked for"
             await _send_json(ep, {"ok": False, "reason": reason})
             return
-        layer_block_bytes = cache[0, 0].numel() * cache.element_size()
-        plan = TransferPlan.make(src, dst, layer_block_bytes)
+        block_bytes = layer_block_bytes(cache)
+        plan = TransferPlan.make(src, dst, block_bytes)
         crc = checksum_blocks(cache, src) if msg.get("checksum") else None
         num_layers = cache.shape[0]
         # Staged sends go out in layer chunks: chunk i+1 is gathered while chunk i is sent.
-        chunks = layer_chunks(num_layers, len(src) * layer_block_bytes)
-        header: dict[str, Any] = {"ok": True, "nbytes": num_layers * len(src) * layer_block_bytes,
+        chunks = layer_chunks(num_layers, len(src) * block_bytes)
+        header: dict[str, Any] = {"ok": True, "nbytes": num_layers * len(src) * block_bytes,
                                   "checksum": crc}  # fmt: skip
         header.update({"chunks": chunks} if plan is None else {"plan": plan.to_json()})
         await _send_json(ep, header)
