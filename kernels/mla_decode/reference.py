@@ -23,6 +23,9 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         or buf.numel() < need
         or buf.dtype != kv_cache.dtype
         or buf.device != kv_cache.device
+        # a buffer made under inference_mode cannot be written outside it (and the reverse
+        # would keep autograd bookkeeping): one thread may run both, e.g. an Engine and a test
+        or buf.is_inference() != torch.is_inference_mode_enabled()
     ):
         buf = torch.empty(need + need // 4, dtype=kv_cache.dtype, device=kv_cache.device)
         _workspace.buf = buf

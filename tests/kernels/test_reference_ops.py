@@ -64,6 +64,18 @@ def test_mla_decode_ragged_lengths() -> None:
         torch.testing.assert_close(out[b], p @ kv[:, :rank])
 
 
+def test_mla_decode_in_and_out_of_inference_mode_on_one_thread() -> None:
+    """The decode gather reuses a per-thread buffer; an engine step (inference_mode) and plain
+    code on the same thread must both be able to use it."""
+    cache, q = torch.randn(4, 512, 24), torch.randn(1, 2, 24)  # larger than other tests' gathers
+    tables, lens = torch.tensor([[2, 0, 3, 1]]), torch.tensor([2000])
+    with torch.inference_mode():  # the buffer is (re)made here
+        inside = ops.mla_decode(q, cache, tables, lens, 0.3, 16)
+    torch.testing.assert_close(ops.mla_decode(q, cache, tables, lens, 0.3, 16), inside)
+    with torch.inference_mode():
+        torch.testing.assert_close(ops.mla_decode(q, cache, tables, lens, 0.3, 16), inside)
+
+
 def test_every_op_has_a_torch_reference() -> None:
     for op in (
         "rms_norm",
