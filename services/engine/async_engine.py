@@ -15,14 +15,23 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from services.engine.config import EngineConfig
-from services.engine.engine import Engine
-from services.engine.request import RequestOutput
+from services.engine.engine import Engine, EngineLoad
+from services.engine.request import ImportedKv, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
 
 class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hand_off: bool = False
+    imported: ImportedKv | None = None
 
 
 @dataclass
@@ -35,12 +44,13 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | Engine | None = None) -> None:
         self.engine = config if isinstance(config, Engine) else Engine(config)
         self._cv = threading.Condition()
-        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
+        self._load = self.engine.load()
         self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
         self._thread.start()
 
@@ -48,14 +58,46 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    @property
+    def load(self) -> EngineLoad:
+        """Requests as of the last step (those not yet admitted count as waiting) and the KV
+        cache as it is now (leases come and go between steps)."""
+        with self._cv:
+            pending = len(self._adds)
+        load = self._load
+        kv = self.engine.kv.usage()
+        return EngineLoad(load.running, load.waiting + pending, load.queued_prefill_tokens,
+                          kv["free"] + kv["cached"], kv["total"], kv["cached"],
+                          load.step_time_s)  # fmt: skip
+
     async def generate(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        hand_off: bool = False,
+        imported: ImportedKv | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that adds tokens; the last one is finished.
-        Invalid requests raise ValueError before anything runs."""
+        Invalid requests raise ValueError before anything runs. ``hand_off`` and ``imported``
+        are as in :meth:`Engine.add_request`."""
+        async for outs in self.stream(prompt, params, request_id, hand_off=hand_off,
+                                      imported=imported):  # fmt: skip
+            for out in outs:
+                yield out
+
+    async def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        hand_off: bool = False,
+        imported: ImportedKv | None = None,
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Like :meth:`generate`, but yields every output that is ready at once: a reader that
+        lags gets several steps' outputs in one list (to coalesce into one message)."""
         params = params or SamplingParams()
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.validate(ids, params)
@@ -67,16 +109,21 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already running")
             self._streams[rid] = stream
-            self._adds.append((rid, ids, params))
+            self._adds.append(_Add(rid, ids, params, hand_off, imported))
             self._cv.notify()
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                outs: list[RequestOutput] = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                    outs.append(item)
+                finished = outs[-1].finished
+                yield outs
         finally:
             if not finished:  # the consumer walked away: nobody reads this stream any more
                 with self._cv:
@@ -116,6 +163,7 @@ class AsyncEngine:
                 self._apply(adds, aborts)
                 for out in self.engine.step():
                     self._deliver(out)
+                self._load = self.engine.load()
         except BaseException as e:  # the engine is broken: fail every stream, then stop
             with self._cv:
                 self._error = e
@@ -123,12 +171,13 @@ class AsyncEngine:
             raise
         self._fail_all(EngineDeadError("engine shut down"))
 
-    def _apply(self, adds: list[tuple[str, list[int], SamplingParams]], aborts: list[str]) -> None:
-        for rid, ids, params in adds:
+    def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
+        for a in adds:
             try:
-                self.engine.add_request(rid, ids, params)
-            except ValueError as e:
-                self._deliver_error(rid, e)
+                self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
+                                        hand_off=a.hand_off, imported=a.imported)  # fmt: skip
+            except (ValueError, KeyError) as e:
+                self._deliver_error(a.request_id, e)
         for rid in aborts:
             out = self.engine.abort(rid)
             if out is not None:

@@ -21,7 +21,7 @@ from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCacheManager
 from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
 from services.engine.output_processor import OutputProcessor, make_output
-from services.engine.request import Request, RequestOutput, Status
+from services.engine.request import ImportedKv, Request, RequestOutput, Status
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
@@ -36,6 +36,19 @@ class StepStats:
     num_tokens: int
     total_s: float
     forward_s: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot for load reports: queued_prefill_tokens counts prompt tokens not yet computed."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_kv_blocks: int = 0  # free plus cached (evictable)
+    total_kv_blocks: int = 0
+    cached_kv_blocks: int = 0
+    step_time_s: float = 0.0
 
 
 class Engine:
@@ -101,8 +114,17 @@ class Engine:
         return total
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        hand_off: bool = False,
+        imported: ImportedKv | None = None,
     ) -> None:
+        """Queue a request. ``hand_off`` (prefill role): it ends after its first token, its
+        prompt's blocks held for export (see ``RequestOutput.kv_hold``). ``imported`` (decode
+        role): its prompt's KV is already in this cache and its first token already sampled."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -115,18 +137,40 @@ class Engine:
             max_total_tokens=total,
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
             generator=gen,
+            hand_off=hand_off,
         )
+        if imported is not None:
+            self._adopt(req, imported)
+        else:
+            self.planner.add(req)
         self.requests[request_id] = req
-        self.planner.add(req)
+
+    def _adopt(self, req: Request, imported: ImportedKv) -> None:
+        """Take over an imported prompt: its blocks, then its first token replayed through the
+        output processor (so that text and stop state match the prefill side's; the text itself
+        was already streamed from there)."""
+        self.kv.adopt_hold(imported.hold_key, req, len(req.prompt_token_ids))
+        req.num_cached_tokens = imported.num_cached_tokens
+        self.outputs.append(req, imported.first_token_id, imported.first_logprobs)
+        if req.finish_reason is not None:
+            self.kv.free(req)
+            raise ValueError(f"request {req.request_id}: its first token already ends it")
+        self.planner.add_running(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its final output (None if unknown)."""
         req = self.requests.get(request_id)
         if req is None:
+            # A hand-off that finished before the abort arrived: its blocks are still held.
+            self.kv.release_hold(self.hand_off_key(request_id))
             return None
         req.finish_reason = "abort"
         self._finish(req)
         return make_output(req, [], "")
+
+    @staticmethod
+    def hand_off_key(request_id: str) -> str:
+        return f"hand-off:{request_id}"
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -145,9 +189,13 @@ class Engine:
             result = self.sampler(logits, sampling)
             for req, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
                 delta = self.outputs.append(req, token, lp)
-                if req.finish_reason is not None:
+                hold = None
+                if req.hand_off and req.finish_reason is None:
+                    hold = self.hand_off_key(req.request_id)
+                    self.kv.hold(hold, req.block_ids)
+                outputs.append(make_output(req, [token], delta, hold))
+                if req.finish_reason is not None or hold is not None:
                     self._finish(req)
-                outputs.append(make_output(req, [token], delta))
         total = time.perf_counter() - started
         self.last_step = StepStats(len(plan.requests), plan.total_tokens, total, forward_s)
         return outputs
@@ -215,6 +263,17 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids_]
+
+    def load(self) -> EngineLoad:
+        """What the engine holds now; call it on the engine's own thread."""
+        waiting = self.planner.waiting
+        running = self.planner.running
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in running)
+        usage = self.kv.usage()
+        step = self.last_step.total_s if self.last_step else 0.0
+        return EngineLoad(len(running), len(waiting), queued, usage["free"] + usage["cached"],
+                          usage["total"], usage["cached"], step)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.requests.values())

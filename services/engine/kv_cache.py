@@ -188,6 +188,17 @@ class KVCacheManager:
             self.holds[key] = blocks
             return list(blocks)
 
+    def rename_hold(self, key: str, new_key: str) -> list[int] | None:
+        """Move the hold ``key`` to ``new_key`` (atomically: no moment where nobody holds the
+        blocks); returns its blocks, or None when ``key`` is not held."""
+        with self.lock:
+            if new_key in self.holds:
+                raise KeyError(f"hold {new_key!r} exists")
+            blocks = self.holds.pop(key, None)
+            if blocks is not None:
+                self.holds[new_key] = blocks
+            return None if blocks is None else list(blocks)
+
     def release_hold(self, key: str) -> list[int]:
         """Drop the references held under ``key``; returns the blocks (empty if none)."""
         with self.lock:

@@ -52,7 +52,9 @@ class OutputProcessor:
         return text
 
 
-def make_output(req: Request, delta_token_ids: list[int], delta_text: str) -> RequestOutput:
+def make_output(
+    req: Request, delta_token_ids: list[int], delta_text: str, kv_hold: str | None = None
+) -> RequestOutput:
     return RequestOutput(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -64,4 +66,6 @@ def make_output(req: Request, delta_token_ids: list[int], delta_text: str) -> Re
         delta_token_ids=delta_token_ids,
         delta_text=delta_text,
         stop_reason=req.stop_reason,
+        kv_hold=kv_hold,
+        kv_block_ids=list(req.block_ids) if kv_hold else [],
     )

@@ -35,6 +35,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_preemptions: int = 0
+    hand_off: bool = False  # prefill role: stop after the first token and keep the KV for export
     text: str = ""  # emitted text (stop strings excluded)
     pending_text: str = ""  # decoded but held back: may be the start of a stop string
     logprobs: list[dict[int, float]] | None = None
@@ -77,7 +78,23 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     stop_reason: int | str | None = None
+    # Set on a hand-off request's last output: the hold (see KVCacheManager.hold) that keeps its
+    # prompt's blocks, and those blocks. The KV exporter turns the hold into a lease.
+    kv_hold: str | None = None
+    kv_block_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """No further output follows: the request ended or was handed off to a decode worker."""
+        return self.finish_reason is not None or self.kv_hold is not None
+
+
+@dataclass(frozen=True)
+class ImportedKv:
+    """A request that continues on this engine from KV computed elsewhere (decode role): its
+    prompt's blocks are held under ``hold_key`` and ``first_token_id`` was already sampled."""
+
+    hold_key: str
+    first_token_id: int
+    first_logprobs: dict[int, float] | None = None
+    num_cached_tokens: int = 0

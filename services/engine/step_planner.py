@@ -41,6 +41,11 @@ class StepPlanner:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request that already holds the blocks of its computed tokens (an imported KV)."""
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
