@@ -36,12 +36,24 @@ class KvExporter:
     def export(
         self, block_ids: list[int], num_tokens: int, host: str, port: int, transport: str
     ) -> KvHandle:
-        lease = self.leases.create(block_ids, num_tokens)
+        """Lease ``block_ids`` (which a request holds now) and describe them for the importer."""
+        return self._handle(self.leases.create(block_ids, num_tokens), host, port, transport)
+
+    def export_hold(
+        self, hold_key: str, num_tokens: int, host: str, port: int, transport: str
+    ) -> KvHandle | None:
+        """Lease the blocks held under ``hold_key`` (the engine's hand-off of a finished
+        prefill); None when the hold is gone because the request was aborted."""
+        lease = self.leases.adopt(hold_key, num_tokens)
+        return None if lease is None else self._handle(lease, host, port, transport)
+
+    def _handle(self, lease: Lease, host: str, port: int, transport: str) -> KvHandle:
         remaining = lease.expires_at - self.leases.clock()
         return KvHandle(
             transfer_id=lease.transfer_id, worker_id=self.worker_id, host=host, port=port,
-            num_tokens=num_tokens, block_size=self.layout.block_size, num_blocks=len(block_ids),
-            layout=self.layout, expires_at=time.time() + remaining, transport=transport,
+            num_tokens=lease.num_tokens, block_size=self.layout.block_size,
+            num_blocks=len(lease.block_ids), layout=self.layout,
+            expires_at=time.time() + remaining, transport=transport,
         )  # fmt: skip
 
     async def run_reaper(self, interval: float = 1.0) -> None:

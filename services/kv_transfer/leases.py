@@ -47,6 +47,18 @@ class LeaseTable:
             self._leases[tid] = lease
         return lease
 
+    def adopt(self, hold_key: str, num_tokens: int) -> Lease | None:
+        """Turn the blocks held under ``hold_key`` (a prefill's hand-off) into a new lease;
+        None when that hold is gone (the request was aborted meanwhile)."""
+        tid = uuid.uuid4().hex
+        with self._lock:
+            blocks = self.kv.rename_hold(hold_key, f"lease:{tid}")
+            if blocks is None:
+                return None
+            lease = Lease(tid, blocks, num_tokens, self.clock() + self.ttl)
+            self._leases[tid] = lease
+        return lease
+
     def get(self, transfer_id: str) -> Lease | None:
         """The live lease, or None (unknown, released or expired)."""
         with self._lock:

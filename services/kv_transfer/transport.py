@@ -123,10 +123,15 @@ def register(name: str) -> Callable[[type[KvTransport]], type[KvTransport]]:
     return wrap
 
 
-def create_transport(name: str) -> KvTransport:
+def transport_names() -> list[str]:
     # Importing the modules registers the transports.
     from services.kv_transfer import grpc_transport, local, ucx  # noqa: F401
 
+    return sorted(TRANSPORTS)
+
+
+def create_transport(name: str) -> KvTransport:
+    transport_names()
     if name not in TRANSPORTS:
         raise ValueError(
             f"unknown KV transport {name!r}; choose one of {', '.join(sorted(TRANSPORTS))}"

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ UCX_DEFAULTS = {
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
+CLOSE_WAIT_S = 2.0  # how long close() waits for the listener's handlers to end
 
 
 def _ucxx() -> Any:
@@ -95,15 +97,20 @@ class UcxTransport(KvTransport):
         self.connect_timeout = connect_timeout
         self._listener: Any = None
         self._idle: dict[tuple[str, int], list[Any]] = defaultdict(list)
+        self._served: set[Any] = set()  # importers' endpoints the listener is answering
 
     # ---- exporter -------------------------------------------------------------------------
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
         ucxx = _ucxx()
 
         async def handler(ep: Any) -> None:
-            with contextlib.suppress(Exception):  # the peer went away: nothing to answer
-                while True:
-                    await self._answer(exporter, ep, await _recv_json(ep))
+            self._served.add(ep)
+            try:
+                with contextlib.suppress(Exception):  # the peer went away: nothing to answer
+                    while True:
+                        await self._answer(exporter, ep, await _recv_json(ep))
+            finally:
+                self._served.discard(ep)
 
         self._listener = ucxx.create_listener(handler, port=port or None)
         return int(self._listener.port)
@@ -247,5 +254,12 @@ class UcxTransport(KvTransport):
                     await ep.close()
         self._idle.clear()
         if self._listener is not None:
+            # close the importers' endpoints so that their handlers end, then the listener
+            for ep in list(self._served):
+                with contextlib.suppress(Exception):
+                    await ep.close()
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            while self._listener.active_clients and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             self._listener.close()
             self._listener = None
