@@ -1,0 +1,214 @@
+"""ClusterState: the worker registry and load reports in Redis (design.md §5).
+
+Keys (prefix ``ferry:{cluster}:``): ``worker:{id}`` and ``load:{id}``, hashes that expire
+``ttl_s`` after the last heartbeat. Every heartbeat re-writes both hashes in full, so a worker
+that loses Redis (a restart, a network blip) re-registers by itself on the first beat that gets
+through; a worker that dies leaves the registry when its keys expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.common.log import get_logger
+
+log = get_logger(__name__)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "scheduler"
+    address: str  # host:port of its gRPC server
+    kv_address: str = ""  # host:port of its KV transport endpoint ('' if none)
+    kv_transport: str = ""
+    model: str = ""
+    model_fingerprint: str = ""
+    max_model_len: int = 0
+    block_size: int = 0
+    num_kv_blocks: int = 0
+    metrics_port: int = 0
+    dep_group: str = ""
+    dep_rank: int = -1
+    pid: int = 0
+    started_at: float = 0.0  # time.time()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_kv_blocks: int = 0  # free plus cached (evictable) blocks
+    total_kv_blocks: int = 0
+    cached_kv_blocks: int = 0
+    step_time_s: float = 0.0
+    updated_at: float = 0.0  # time.time() of the report
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    record: WorkerRecord
+    load: LoadReport | None  # None when no load key exists (yet)
+
+
+class ClusterStateError(RuntimeError):
+    """Redis could not be reached when it had to be."""
+
+
+def parse_redis_url(url: str) -> str:
+    scheme = urlparse(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"redis url {url!r}: expected redis://host:port/db or unix:///path")
+    return url
+
+
+def _encode(obj: Any) -> dict[Any, Any]:  # redis' Mapping type is invariant in its keys
+    return {k: str(v) for k, v in dataclasses.asdict(obj).items()}
+
+
+def _decode(cls: type[T], raw: dict[str, str]) -> T:
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in raw:
+            kind = type(f.default) if f.default is not dataclasses.MISSING else str
+            kw[f.name] = kind(raw[f.name])
+    return cls(**kw)
+
+
+class ClusterState:
+    def __init__(
+        self, redis_url: str, cluster: str = "default", heartbeat_s: float = 1.0,
+        ttl_s: float = 3.0,
+    ) -> None:  # fmt: skip
+        self.url = parse_redis_url(redis_url)
+        self.cluster = cluster
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s
+        self.redis = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=1.0,
+                                       socket_connect_timeout=1.0)  # fmt: skip
+        self._record: WorkerRecord | None = None
+        self._load: Callable[[], LoadReport] | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._healthy = False
+
+    def key(self, *parts: str) -> str:
+        return f"ferry:{self.cluster}:" + ":".join(parts)
+
+    @property
+    def healthy(self) -> bool:
+        """The last heartbeat (or ping) reached Redis."""
+        return self._healthy
+
+    async def register(
+        self, record: WorkerRecord, load: Callable[[], LoadReport] | None = None
+    ) -> None:
+        """Write the record (and load) now, then keep them alive every ``heartbeat_s``."""
+        self._record, self._load = record, load
+        try:
+            await self._write()
+        except REDIS_DOWN as e:
+            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+        self._healthy = True
+        self._beat = asyncio.create_task(self._heartbeat())
+
+    async def _write(self) -> None:
+        assert self._record is not None
+        wid = self._record.worker_id
+        ttl_ms = int(self.ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.key("worker", wid), mapping=_encode(self._record))
+        pipe.pexpire(self.key("worker", wid), ttl_ms)
+        if self._load is not None:
+            pipe.hset(self.key("load", wid), mapping=_encode(self._load()))
+            pipe.pexpire(self.key("load", wid), ttl_ms)
+        await pipe.execute()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self._write()
+            except REDIS_DOWN as e:
+                if self._healthy:
+                    log.warning(
+                        "redis unreachable; heartbeats continue", url=self.url, error=str(e)
+                    )
+                self._healthy = False
+                continue
+            except Exception as e:  # a broken load() must not stop the heartbeat
+                log.error("heartbeat failed", error=repr(e))
+                continue
+            if not self._healthy:
+                log.info("re-registered", url=self.url)
+            self._healthy = True
+
+    async def deregister(self) -> None:
+        """Stop the heartbeat and delete the keys at once (Redis errors are ignored)."""
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+            self._beat = None
+        if self._record is not None:
+            wid = self._record.worker_id
+            with contextlib.suppress(*REDIS_DOWN):
+                await self.redis.delete(self.key("worker", wid), self.key("load", wid))
+            self._record = None
+
+    async def workers(self, role: str | None = None) -> list[WorkerView]:
+        """Every live worker (of ``role``), sorted by worker id.
+
+        Raises ClusterStateError when Redis cannot be reached.
+        """
+        prefix = self.key("worker", "")
+        try:
+            keys = [k async for k in self.redis.scan_iter(match=prefix + "*", count=500)]
+            if not keys:
+                return []
+            pipe = self.redis.pipeline(transaction=False)
+            for k in keys:
+                pipe.hgetall(k)
+                pipe.hgetall(self.key("load", k.removeprefix(prefix)))
+            raw = await pipe.execute()
+        except REDIS_DOWN as e:
+            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+        views = []
+        for rec, load in zip(raw[0::2], raw[1::2], strict=True):
+            if not rec:  # expired between SCAN and HGETALL
+                continue
+            record = _decode(WorkerRecord, rec)
+            if role is None or record.role == role:
+                views.append(WorkerView(record, _decode(LoadReport, load) if load else None))
+        return sorted(views, key=lambda v: v.record.worker_id)
+
+    async def server_id(self) -> str:
+        """The Redis server's run id: it changes when Redis restarts (and forgets every key)."""
+        try:
+            info = await self.redis.info("server")
+        except REDIS_DOWN as e:
+            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+        return str(info.get("run_id", ""))
+
+    async def ping(self) -> bool:
+        try:
+            self._healthy = bool(await self.redis.ping())
+        except REDIS_DOWN:
+            self._healthy = False
+        return self._healthy
+
+    async def close(self) -> None:
+        await self.deregister()
+        await self.redis.aclose()

@@ -1,0 +1,118 @@
+"""Conversions between the engine's and kv_transfer's Python types and the ferry.v1 messages.
+
+Every service converts here, so a field added to a message is mapped in one place. Bad values
+raise ValueError with a message that names the field; servers answer INVALID_ARGUMENT with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from protos import common_pb2 as pb
+from services.engine.request import RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.handle import KvHandle, LayoutFingerprint
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")  # fmt: skip
+_INT_FIELDS = ("top_k", "seed", "logprobs", "max_tokens")
+
+
+def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults, except ``max_tokens``: unset means
+    until the model's length limit."""
+    kw: dict[str, object] = {}
+    for name in _FLOAT_FIELDS:
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            kw[name] = value
+    for name in _INT_FIELDS:
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    if not msg.HasField("max_tokens"):
+        kw["max_tokens"] = None
+    elif msg.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {msg.max_tokens}")
+    if msg.HasField("skip_special_tokens"):
+        kw["skip_special_tokens"] = msg.skip_special_tokens
+    return SamplingParams(
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+    )  # fmt: skip
+    for name in ("seed", "logprobs", "max_tokens"):
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprobs_to_pb(lp: dict[int, float] | None) -> pb.TokenLogprobs:
+    entries = [] if lp is None else [pb.Logprob(token_id=t, logprob=v) for t, v in lp.items()]
+    return pb.TokenLogprobs(entries=entries)
+
+
+def logprobs_from_pb(msg: pb.TokenLogprobs) -> dict[int, float] | None:
+    return {e.token_id: e.logprob for e in msg.entries} or None
+
+
+def chunk_from_outputs(outs: list[RequestOutput]) -> pb.TokenChunk:
+    """One TokenChunk for consecutive outputs of one request (the reader lagged behind them)."""
+    last = outs[-1]
+    chunk = pb.TokenChunk(request_id=last.request_id, finish_reason=last.finish_reason or "")
+    for out in outs:
+        chunk.token_ids.extend(out.delta_token_ids)
+        chunk.text += out.delta_text
+    if last.logprobs is not None:
+        n = len(chunk.token_ids)
+        chunk.logprobs.extend(logprobs_to_pb(lp) for lp in last.logprobs[len(last.logprobs) - n :])
+    if last.stop_reason is not None:
+        chunk.stop_reason = str(last.stop_reason)
+    if last.finish_reason is not None:
+        chunk.usage.CopyFrom(usage_of(last))
+    return chunk
+
+
+def usage_of(out: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(out.token_ids),
+        cached_tokens=out.num_cached_tokens,
+    )
+
+
+def kv_handle_to_pb(h: KvHandle) -> pb.KvHandle:
+    lay = h.layout
+    return pb.KvHandle(
+        transfer_id=h.transfer_id, worker_id=h.worker_id, host=h.host, port=h.port,
+        num_tokens=h.num_tokens, block_size=h.block_size, num_blocks=h.num_blocks,
+        expires_at=h.expires_at, transport=h.transport,
+        layout=pb.LayoutFingerprint(
+            model_fingerprint=lay.model_fingerprint, dtype=lay.dtype, num_layers=lay.num_layers,
+            latent_dim=lay.latent_dim, block_size=lay.block_size,
+        ),
+    )  # fmt: skip
+
+
+def kv_handle_from_pb(msg: pb.KvHandle) -> KvHandle:
+    if not msg.transfer_id:
+        raise ValueError("kv_handle.transfer_id is empty")
+    lay = msg.layout
+    layout = LayoutFingerprint(lay.model_fingerprint, lay.dtype, lay.num_layers, lay.latent_dim,
+                               lay.block_size)  # fmt: skip
+    return KvHandle(
+        transfer_id=msg.transfer_id, worker_id=msg.worker_id, host=msg.host, port=msg.port,
+        num_tokens=msg.num_tokens, block_size=msg.block_size, num_blocks=msg.num_blocks,
+        layout=layout, expires_at=msg.expires_at, transport=msg.transport,
+    )  # fmt: skip

@@ -1,0 +1,1 @@
+"""The decode worker: KV import, continuous-batching decode, token streaming."""

@@ -1,0 +1,134 @@
+"""DecodeWorker over gRPC: pull a prefill's KV, join the running batch, stream the tokens.
+
+Admission happens before any block moves: a worker that is at ``max_num_seqs`` or lacks the
+blocks answers RESOURCE_EXHAUSTED so that the scheduler tries another. The pull lands in blocks
+held under the import's key; the engine adopts them, so a cancelled or failed Decode at any
+point leaves no block behind. When the reader lags, the tokens of several steps go out as one
+TokenChunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
+from services.common import convert
+from services.common.log import bind_request, get_logger
+from services.common.server import abort_with
+from services.common.worker import KV_ERROR_KEY, EngineWorker, WorkerConfig, transfer_status
+from services.decode_worker import metrics
+from services.engine.async_engine import EngineDeadError
+from services.engine.request import ImportedKv
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer import KvHandle, KvImporter, TransferError, create_transport
+
+log = get_logger(__name__)
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+    service_names = ("ferry.v1.DecodeWorker",)
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self._importers: dict[str, KvImporter] = {}
+        self._active: set[str] = set()
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
+
+    def importer(self, transport: str) -> KvImporter:
+        """One importer (and endpoint pool) per transport that exporters offer."""
+        if transport not in self._importers:
+            eng = self.engine.engine
+            self._importers[transport] = KvImporter(
+                create_transport(transport), eng.kv_cache, eng.kv, self.layout,
+                self.config.transfer_timeout_s, self.config.verify_checksum,
+            )  # fmt: skip
+        return self._importers[transport]
+
+    async def close(self) -> None:
+        for imp in self._importers.values():
+            await imp.transport.close()
+        await super().close()
+
+    def admission_error(self, handle: KvHandle) -> str | None:
+        """Why this worker cannot take a request now, or None."""
+        load = self.engine.load
+        limit = self.config.engine.max_num_seqs
+        if load.running + load.waiting >= limit:
+            return f"{self.worker_id} is full: {limit} requests running (max_num_seqs)"
+        if load.free_kv_blocks < handle.num_blocks + 1:
+            return (
+                f"{self.worker_id} has {load.free_kv_blocks} free KV blocks; the request needs "
+                f"{handle.num_blocks + 1}"
+            )
+        return None
+
+    async def pull(self, handle: KvHandle, context: grpc.aio.ServicerContext) -> str:
+        """Pull the handle's blocks into a hold; returns the hold's key."""
+        importer = self.importer(handle.transport)
+        try:
+            await importer.pull(handle)
+        except TransferError as e:
+            context.set_trailing_metadata(((KV_ERROR_KEY, e.reason),))
+            metrics.FAILED_PULLS.labels(e.reason).inc()
+            await abort_with(context, transfer_status(e), str(e))
+        return importer.hold_key(handle)
+
+
+def _parse(
+    request: decode_worker_pb2.DecodeRequest,
+) -> tuple[list[int], SamplingParams, KvHandle]:
+    if not request.HasField("kv_handle"):
+        raise ValueError("kv_handle is missing")
+    params = convert.sampling_params_from_pb(request.sampling_params)
+    return list(request.prompt_token_ids), params, convert.kv_handle_from_pb(request.kv_handle)
+
+
+class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Decode(
+        self, request: decode_worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        w = self.worker
+        rid = request.request_id
+        with bind_request(rid):
+            try:
+                ids, params, handle = _parse(request)
+                w.engine.engine.validate(ids, params)
+            except ValueError as e:
+                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            busy = w.admission_error(handle)
+            if busy is not None:
+                metrics.REJECTED.inc()
+                await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
+            key = ""
+            w._active.add(rid)
+            try:
+                key = await w.pull(handle, context)
+                imported = ImportedKv(key, request.first_token_id,
+                                      convert.logprobs_from_pb(request.first_logprobs),
+                                      request.num_cached_tokens)  # fmt: skip
+                async for outs in w.engine.stream(ids, params, rid, imported=imported):
+                    metrics.COALESCED.observe(len(outs))
+                    yield convert.chunk_from_outputs(outs)
+            except (ValueError, KeyError) as e:
+                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except EngineDeadError as e:
+                await abort_with(context, grpc.StatusCode.UNAVAILABLE, f"{w.worker_id}: {e}")
+            finally:
+                w._active.discard(rid)
+                if key:  # a no-op once the engine adopted the blocks
+                    w.engine.engine.kv.release_hold(key)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortReply:
+        found = request.request_id in self.worker._active
+        await self.worker.engine.abort(request.request_id)
+        return common_pb2.AbortReply(found=found)

@@ -1,0 +1,1 @@
+"""The prefill worker: batched prefill with the prefix cache, first token, KV export."""

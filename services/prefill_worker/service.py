@@ -1,0 +1,118 @@
+"""PrefillWorker over gRPC: a thin adapter around an AsyncEngine whose requests hand off.
+
+A Prefill request joins the engine's batch (chunked prefill and the prefix cache as usual), ends
+after its first token, and its prompt's blocks are leased to the KV exporter; the reply carries
+the first token and the KvHandle a decode worker pulls. A request whose first token already ends
+it (EOS, a stop string, max_tokens=1) exports nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import grpc
+
+from protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+from services.common import convert
+from services.common.log import bind_request, get_logger
+from services.common.server import abort_with
+from services.common.worker import EngineWorker, WorkerConfig
+from services.engine.async_engine import EngineDeadError
+from services.engine.request import RequestOutput
+from services.kv_transfer import KvExporter, create_transport
+from services.prefill_worker import metrics
+
+log = get_logger(__name__)
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+    service_names = ("ferry.v1.PrefillWorker",)
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        eng = self.engine.engine
+        self.exporter = KvExporter(eng.kv_cache, eng.kv, self.layout, self.worker_id,
+                                   config.lease_seconds)  # fmt: skip
+        self.transport = create_transport(config.kv_transport)
+        self.kv_port = 0
+        self._active: set[str] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self), server)
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        svc = self.config.service
+        self.kv_port = await self.transport.serve(self.exporter, svc.host, self.config.kv_port)
+        self.kv_address = f"{svc.public_host}:{self.kv_port}"
+        self._reaper = asyncio.create_task(self.exporter.run_reaper())
+        await super().start(address, metrics_port)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.transport.close()
+        await super().close()
+
+    async def prefill(self, rid: str, ids: list[int], request: prefill_worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_worker_pb2.PrefillResult:  # fmt: skip
+        try:
+            params = convert.sampling_params_from_pb(request.sampling_params)
+            out: RequestOutput | None = None
+            self._active.add(rid)
+            async for o in self.engine.generate(ids, params, rid, hand_off=True):
+                out = o
+        except ValueError as e:
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, f"{self.worker_id}: {e}")
+        finally:
+            self._active.discard(rid)
+        assert out is not None and out.finished
+        result = prefill_worker_pb2.PrefillResult(
+            request_id=rid, first=convert.chunk_from_outputs([out])
+        )
+        if out.kv_hold is not None:
+            svc = self.config.service
+            handle = self.exporter.export_hold(out.kv_hold, len(ids), svc.public_host,
+                                               self.kv_port, self.config.kv_transport)  # fmt: skip
+            if handle is None:
+                await abort_with(context, grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+            else:
+                result.kv_handle.CopyFrom(convert.kv_handle_to_pb(handle))
+                metrics.EXPORTED_BLOCKS.inc(handle.num_blocks)
+        metrics.PREFILLS.inc()
+        metrics.PREFILL_TOKENS.inc(len(ids))
+        metrics.CACHED_TOKENS.inc(out.num_cached_tokens)
+        return result
+
+
+class _Servicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Prefill(
+        self, request: prefill_worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_worker_pb2.PrefillResult:
+        rid = request.request_id or uuid.uuid4().hex
+        with bind_request(rid):
+            ids = list(request.prompt_token_ids)
+            return await self.worker.prefill(rid, ids, request, context)
+
+    async def Release(
+        self, request: prefill_worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_worker_pb2.ReleaseReply:
+        released = self.worker.exporter.leases.release(request.transfer_id)
+        return prefill_worker_pb2.ReleaseReply(released=released)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortReply:
+        found = request.request_id in self.worker._active
+        await self.worker.engine.abort(request.request_id)
+        return common_pb2.AbortReply(found=found)

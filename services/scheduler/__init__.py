@@ -1,0 +1,1 @@
+"""The scheduler: per-request orchestration across prefill and decode workers."""

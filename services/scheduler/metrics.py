@@ -1,0 +1,12 @@
+"""Prometheus metrics of the scheduler."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("ferry_scheduler_requests_total", "Generate calls by outcome", ["outcome"])
+RETRIES = Counter("ferry_scheduler_retries_total", "Calls retried on another worker", ["stage"])
+RUNNING = Gauge("ferry_scheduler_running_requests", "Generate calls in flight")
+TTFT = Histogram(
+    "ferry_time_to_first_token_seconds", "From Generate to the first token, at the scheduler",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)  # fmt: skip
+GENERATED_TOKENS = Counter("ferry_scheduler_generated_tokens_total", "Tokens streamed to clients")

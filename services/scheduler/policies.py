@@ -1,0 +1,104 @@
+"""Routing policies: which prefill and which decode worker serve a request.
+
+A policy sees each live worker's last load report (at most a heartbeat old) corrected by what
+this scheduler has routed there since that report (``Candidate.routed_*``), so that a burst of
+requests does not all land on the worker that looked idlest a second ago.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.cluster_state import LoadReport, WorkerRecord
+
+
+@dataclass(frozen=True)
+class Candidate:
+    record: WorkerRecord
+    load: LoadReport
+    routed_requests: int = 0  # sent by this scheduler after ``load`` was reported
+    routed_tokens: int = 0  # their prompt tokens (prefill) ...
+    routed_blocks: int = 0  # ... and the KV blocks they will take (decode)
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    num_prompt_tokens: int
+    num_blocks: int  # KV blocks the prompt fills
+
+
+class RoutingPolicy(ABC):
+    """Picks one of ``candidates`` (never empty) for a request."""
+
+    name = ""
+
+    @abstractmethod
+    def pick_prefill(self, candidates: list[Candidate], request: RouteRequest) -> Candidate: ...
+
+    @abstractmethod
+    def pick_decode(self, candidates: list[Candidate], request: RouteRequest) -> Candidate: ...
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {}
+
+
+def register(name: str) -> Callable[[type[RoutingPolicy]], type[RoutingPolicy]]:
+    def deco(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def create_policy(name: str) -> RoutingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]()
+
+
+@register("least_loaded")
+class LeastLoaded(RoutingPolicy):
+    """Prefill: fewest queued prompt tokens. Decode: most free KV blocks, then fewest running
+    requests. Ties go to the lower worker id, so that the choice is deterministic."""
+
+    def pick_prefill(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        def queued(c: Candidate) -> tuple[int, int, str]:
+            load = c.load
+            tokens = load.queued_prefill_tokens + c.routed_tokens
+            return tokens, load.running + load.waiting + c.routed_requests, c.worker_id
+
+        return min(candidates, key=queued)
+
+    def pick_decode(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        def room(c: Candidate) -> tuple[int, int, str]:
+            free = c.load.free_kv_blocks - c.routed_blocks
+            return -free, c.load.running + c.load.waiting + c.routed_requests, c.worker_id
+
+        return min(candidates, key=room)
+
+
+@register("round_robin")
+class RoundRobin(RoutingPolicy):
+    """Each role's workers in turn (in worker id order), whatever their load."""
+
+    def __init__(self) -> None:
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def _next(self, role: str, candidates: list[Candidate]) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: c.worker_id)
+        return ordered[next(self._turn[role]) % len(ordered)]
+
+    def pick_prefill(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        return self._next("prefill", candidates)
+
+    def pick_decode(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        return self._next("decode", candidates)

@@ -1,0 +1,321 @@
+"""Scheduler over gRPC: ``Generate`` runs one request through prefill, KV transfer and decode.
+
+1. Pick a prefill worker (the routing policy, over the ClusterView) and call ``Prefill``; when
+   the worker is down or full, retry on another one (bounded, with backoff): nothing has been
+   streamed yet.
+2. Stream the first token at once (that is the time to first token).
+3. Pick a decode worker and stream its ``Decode``. A decode worker that is down or full before
+   it sent anything is replaced by another: the KV still waits under its lease on the prefill
+   worker. Any later failure ends the stream with the original status.
+Cancelling ``Generate`` (or ``Abort``) cancels the worker RPC in flight, which aborts the request
+there, and releases a lease that no decode worker has pulled. No request state goes to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import (
+    common_pb2,
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from services.common import convert
+from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
+from services.common.config import ServiceConfig
+from services.common.log import bind_request, get_logger
+from services.common.server import Service, abort_with
+from services.common.worker import KV_ERROR_KEY
+from services.scheduler import metrics
+from services.scheduler.cluster_view import ClusterView
+from services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+
+log = get_logger(__name__)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    routing_policy: str = "least_loaded"
+    max_attempts: int = 3  # per stage (prefill, decode), first try included
+    retry_backoff_s: float = 0.05  # doubled after every failed attempt
+    refresh_s: float = 0.25  # how often the registry and loads are read from Redis
+
+    def __post_init__(self) -> None:
+        if self.routing_policy not in POLICIES:
+            raise ValueError(
+                f"routing_policy={self.routing_policy!r}: choose one of {', '.join(POLICIES)}"
+            )
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+
+
+class Failed(Exception):
+    """End the Generate with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Scheduler(Service):
+    role = "scheduler"
+    service_names = ("ferry.v1.Scheduler",)
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        svc = config.service
+        self.worker_id = svc.name_for(self.role)
+        self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
+        self.view = ClusterView(self.cluster, config.refresh_s, suspect_s=svc.ttl_s)
+        self.policy = create_policy(config.routing_policy)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._active: dict[str, asyncio.Task[object]] = {}
+        self._refresher: asyncio.Task[None] | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Servicer(self), server)
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        record = WorkerRecord(worker_id=self.worker_id, role=self.role, address=address,
+                              metrics_port=metrics_port, started_at=time.time())  # fmt: skip
+        await self.cluster.register(record, lambda: LoadReport(running=len(self._active),
+                                                               updated_at=time.time()))  # fmt: skip
+        await self.view.refresh()
+        self._refresher = asyncio.create_task(self.view.run())
+
+    async def drain(self) -> None:
+        await self.cluster.deregister()
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        for channel in self._channels.values():
+            await channel.close()
+        await self.cluster.close()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    # ---- one request ----------------------------------------------------------------------
+    async def generate(
+        self, request: scheduler_pb2.GenerateRequest, rid: str
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        route = await self._route_request(request, rid)
+        started = time.perf_counter()
+        result, prefill = await self._prefill(request, rid, route)
+        metrics.TTFT.observe(time.perf_counter() - started)
+        metrics.GENERATED_TOKENS.inc(len(result.first.token_ids))
+        yield result.first
+        if result.first.finish_reason:
+            return
+        try:
+            async for chunk in self._decode(request, rid, route, result):
+                metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+                yield chunk
+        finally:  # a no-op once a decode worker pulled it; frees it when none did
+            await self._release(prefill, result.kv_handle.transfer_id)
+
+    async def _route_request(
+        self, request: scheduler_pb2.GenerateRequest, rid: str
+    ) -> RouteRequest:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        try:
+            params = convert.sampling_params_from_pb(request.sampling_params)
+        except ValueError as e:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if not self.view.workers("prefill"):
+            await self.view.refresh()  # the view is refresh_s old: a worker may have just joined
+        if not self.view.workers("prefill"):
+            raise Failed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
+        limit = self.view.max_model_len()
+        if n + (params.max_tokens or 0) > limit or n >= limit:
+            raise Failed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"limit of {limit} tokens",
+            )
+        block_size = self.view.workers("prefill")[0].record.block_size or 1
+        return RouteRequest(rid, n, -(-n // block_size))
+
+    async def _prefill(
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
+    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:
+        msg = prefill_worker_pb2.PrefillRequest(request_id=rid,
+                                                prompt_token_ids=request.prompt_token_ids,
+                                                sampling_params=request.sampling_params)  # fmt: skip
+        tried: dict[str, Failed] = {}
+        for attempt in range(self.config.max_attempts):
+            cand = await self._pick("prefill", tried, route)
+            stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record.address))
+            try:
+                with self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens):
+                    return await stub.Prefill(msg), cand.record
+            except grpc.aio.AioRpcError as e:
+                tried[cand.worker_id] = await self._after_failure(
+                    "prefill", cand, e, attempt, False
+                )
+        raise AssertionError("unreachable: the last attempt raises")
+
+    async def _decode(
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        rid: str,
+        route: RouteRequest,
+        result: prefill_worker_pb2.PrefillResult,
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        first = result.first
+        msg = decode_worker_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, first_token_id=first.token_ids[0],
+            first_logprobs=first.logprobs[0] if first.logprobs else None,
+            kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
+        )  # fmt: skip
+        tried: dict[str, Failed] = {}
+        for attempt in range(self.config.max_attempts):
+            cand = await self._pick("decode", tried, route)
+            stub = decode_worker_pb2_grpc.DecodeWorkerStub(self.channel(cand.record.address))
+            call = stub.Decode(msg)
+            streamed = False
+            try:
+                with self.view.routed(cand.worker_id, blocks=route.num_blocks + 1):
+                    async for chunk in call:
+                        streamed = True
+                        yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                tried[cand.worker_id] = await self._after_failure(
+                    "decode", cand, e, attempt, streamed
+                )
+            finally:
+                call.cancel()  # a no-op when the stream has ended
+
+    async def _pick(self, role: str, tried: dict[str, Failed], route: RouteRequest) -> Candidate:
+        cands = self.view.candidates(role, exclude=tried)
+        if not cands and not tried:  # the view is refresh_s old: a worker may have just joined
+            await self.view.refresh()
+            cands = self.view.candidates(role, exclude=tried)
+        if not cands:
+            if tried:  # every worker failed: the last failure says why
+                raise list(tried.values())[-1]
+            raise Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
+        if role == "prefill":
+            return self.policy.pick_prefill(cands, route)
+        return self.policy.pick_decode(cands, route)
+
+    async def _after_failure(
+        self, stage: str, cand: Candidate, e: grpc.aio.AioRpcError, attempt: int, streamed: bool
+    ) -> Failed:
+        """Raise Failed unless the call may be retried on another worker; else back off and
+        return the failure (raised when no other worker is left)."""
+        code = e.code()
+        kv_error = any(k == KV_ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
+        where = f"{stage} worker {cand.worker_id}"
+        if streamed or kv_error or code not in RETRYABLE:
+            raise Failed(code, f"{where}: {e.details()}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.view.suspect(cand.worker_id)
+        if attempt + 1 == self.config.max_attempts:
+            raise Failed(code, f"{where} (attempt {attempt + 1}, the last): {e.details()}")
+        log.info("retrying", stage=stage, worker=cand.worker_id, code=code.name)
+        metrics.RETRIES.labels(stage).inc()
+        await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
+        return Failed(code, f"{where}: {e.details()}")
+
+    async def _release(self, prefill: WorkerRecord, transfer_id: str) -> None:
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(prefill.address))
+        req = prefill_worker_pb2.ReleaseRequest(transfer_id=transfer_id)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.shield(stub.Release(req, timeout=2.0))
+
+    def status(self) -> scheduler_pb2.ClusterStatusReply:
+        reply = scheduler_pb2.ClusterStatusReply(
+            cluster=self.config.service.cluster, routing_policy=self.policy.name
+        )
+        for view in self.view.workers():
+            reply.workers.append(_worker_status(view))
+        return reply
+
+
+def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
+    r = view.record
+    info = common_pb2.WorkerInfo(
+        worker_id=r.worker_id, role=r.role, address=r.address, kv_address=r.kv_address,
+        kv_transport=r.kv_transport, model=r.model, model_fingerprint=r.model_fingerprint,
+        max_model_len=r.max_model_len, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
+        metrics_port=r.metrics_port, dep_group=r.dep_group, dep_rank=r.dep_rank, pid=r.pid,
+        started_at=r.started_at,
+    )  # fmt: skip
+    out = scheduler_pb2.WorkerStatus(info=info)
+    if view.load is not None:
+        ld = view.load
+        out.load.CopyFrom(common_pb2.LoadReport(
+            running=ld.running, waiting=ld.waiting, queued_prefill_tokens=ld.queued_prefill_tokens,
+            free_kv_blocks=ld.free_kv_blocks, total_kv_blocks=ld.total_kv_blocks,
+            cached_kv_blocks=ld.cached_kv_blocks, step_time_s=ld.step_time_s,
+            updated_at=ld.updated_at,
+        ))  # fmt: skip
+    return out
+
+
+class _Servicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    async def Generate(
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        s = self.scheduler
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in s._active:
+            await abort_with(context, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running")
+        task = asyncio.current_task()
+        assert task is not None
+        s._active[rid] = task
+        metrics.RUNNING.inc()
+        outcome = "cancelled"
+        with bind_request(rid):
+            try:
+                async for chunk in s.generate(request, rid):
+                    yield chunk
+                outcome = "ok"
+            except Failed as f:
+                outcome = f.code.name.lower()
+                await abort_with(context, f.code, f.message)
+            finally:
+                s._active.pop(rid, None)
+                metrics.RUNNING.dec()
+                metrics.REQUESTS.labels(outcome).inc()
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortReply:
+        task = self.scheduler._active.get(request.request_id)
+        if task is not None:
+            task.cancel()
+        return common_pb2.AbortReply(found=task is not None)
+
+    async def ClusterStatus(
+        self, request: scheduler_pb2.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ClusterStatusReply:
+        await self.scheduler.view.refresh()
+        return self.scheduler.status()
