@@ -1,14 +1,18 @@
-"""The ``ferry`` command line."""
+"""The ``ferry`` command line: ``up`` (a local cluster), ``serve ROLE`` (one service),
+``status`` (the cluster state in Redis) and ``export-preset``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import shlex
 import sys
 from collections.abc import Sequence
 
+from infra import flags
 from services.engine.model.presets import PRESETS
 
-ROLES = ("gateway", "scheduler", "prefill", "decode", "eplb-controller")
+ROLES = ("prefill", "decode", "scheduler")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
@@ -19,14 +23,56 @@ def _export_preset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    what = "ferry up" if args.command == "up" else f"ferry serve {args.role}"
-    print(
-        f"{what}: not yet — the services (gateway, scheduler, workers) are not built yet; "
-        "today Ferry has the model runtime (services/engine/model) and `ferry export-preset`.",
-        file=sys.stderr,
-    )
-    return 2
+def _serve(args: argparse.Namespace) -> int:
+    from services.common import server
+    from services.common.log import configure_logging
+    from services.common.server import Service
+
+    service: Service
+    if args.role == "scheduler":
+        from services.scheduler.service import Scheduler
+
+        sched = flags.scheduler_config(args)
+        cfg = sched.service
+        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
+        service = Scheduler(sched)
+    else:
+        from services.decode_worker.service import DecodeWorker
+        from services.prefill_worker.service import PrefillWorker
+
+        worker = flags.worker_config(args)
+        cfg = worker.service
+        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
+        service = PrefillWorker(worker) if args.role == "prefill" else DecodeWorker(worker)
+    return server.main(cfg, service)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from infra.launcher import ClusterSpec, run
+
+    worker = ["--model", args.model, "--kv-transport", args.kv_transport,
+              "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
+    if args.num_kv_blocks:
+        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    spec = ClusterSpec(
+        prefill=args.prefill, decode=args.decode, host=args.host,
+        scheduler_port=args.scheduler_port, redis_url=args.redis_url, cluster=args.cluster,
+        serve_args={"prefill": worker, "decode": worker,
+                    "scheduler": ["--routing-policy", args.routing_policy]},
+    )  # fmt: skip
+    return run(spec)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from infra.status import status
+    from services.common.cluster_state import ClusterStateError
+
+    try:
+        print(asyncio.run(status(args.redis_url, args.cluster)))
+    except (ClusterStateError, ValueError) as e:
+        print(f"ferry status: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,11 +86,35 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_export_preset)
 
     up = sub.add_parser("up", help="start a local cluster (redis + all services)")
-    up.set_defaults(func=_not_yet)
+    flags.add(up, "--prefill", 1, "prefill workers")
+    flags.add(up, "--decode", 1, "decode workers")
+    flags.add(up, "--model", "tiny", "preset (tiny, small) or HF checkpoint directory")
+    flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
+    flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
+    flags.add(up, "--routing-policy", "least_loaded", "scheduler routing policy")
+    flags.add(up, "--host", "127.0.0.1", "address every service binds")
+    flags.add(up, "--scheduler-port", 50051, "the scheduler's gRPC port")
+    flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
+    flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
+    flags.add(up, "--torch-threads", 1, "torch threads per worker")
+    flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
+    up.set_defaults(func=_up)
 
-    serve = sub.add_parser("serve", help="run one service")
-    serve.add_argument("role", choices=ROLES)
-    serve.set_defaults(func=_not_yet)
+    serve = sub.add_parser("serve", help="run one service (the unit a pod runs)")
+    roles = serve.add_subparsers(dest="role", required=True)
+    for role in ROLES:
+        p = roles.add_parser(role, help=f"the {role} service")
+        flags.add_service_flags(p)
+        if role == "scheduler":
+            flags.add_scheduler_flags(p)
+        else:
+            flags.add_engine_flags(p)
+    serve.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="workers, health, load and KV usage from Redis")
+    flags.add(st, "--redis-url", "redis://127.0.0.1:6379/0", "Redis holding the cluster state")
+    flags.add(st, "--cluster", "default", "cluster name")
+    st.set_defaults(func=_status)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""Command-line flags of the services, each with a FERRY_* environment variable, and the
+configs they build. This is the one place that reads FERRY_* variables for services."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from services.common.config import ServiceConfig
+from services.common.worker import WorkerConfig
+from services.engine import EngineConfig
+from services.engine.config import DTYPES
+from services.kv_transfer.transport import transport_names
+from services.scheduler.policies import POLICIES
+from services.scheduler.service import SchedulerConfig
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def env_name(flag: str) -> str:
+    return "FERRY_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **kw: Any) -> None:
+    """``flag`` whose default comes from FERRY_<FLAG> when set."""
+    env = env_name(flag)
+    kind = kw.pop("type", type(default) if default is not None else str)
+    raw = os.environ.get(env)
+    value = kind(raw) if raw is not None else default
+    parser.add_argument(flag, type=kind, default=value, help=f"{help} [{env}; {default}]", **kw)
+
+
+def add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    env = env_name(flag)
+    on = os.environ.get(env, "").lower() in _TRUE
+    parser.add_argument(flag, action="store_true", default=on, help=f"{help} [{env}]")
+
+
+def add_service_flags(p: argparse.ArgumentParser) -> None:
+    d = ServiceConfig()
+    add(p, "--worker-id", d.worker_id, "unique name in the cluster (default: role-host-pid)")
+    add(p, "--host", d.host, "gRPC bind address")
+    add(p, "--port", d.port, "gRPC port (0: any free port)")
+    add(p, "--advertise-host", d.advertise_host, "host that other services dial")
+    add(p, "--metrics-port", d.metrics_port, "Prometheus /metrics port (0: any, -1: off)")
+    add(p, "--redis-url", d.redis_url, "Redis holding the cluster state")
+    add(p, "--cluster", d.cluster, "cluster name (Redis key prefix)")
+    add(p, "--grace", d.grace_s, "seconds in-flight RPCs get on SIGTERM")
+    add(p, "--log-level", d.log_level, "log level", choices=["debug", "info", "warning", "error"])
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    d, w = EngineConfig(), WorkerConfig()
+    add(p, "--model", d.model, "preset (tiny, small) or HF checkpoint directory")
+    add(p, "--dtype", d.dtype, "weights and KV cache dtype", choices=sorted(DTYPES))
+    add(p, "--block-size", d.block_size, "tokens per KV block")
+    add(p, "--num-kv-blocks", None, "KV cache size in blocks (default: from memory)", type=int)
+    add(p, "--kv-cache-memory-bytes", None, "KV cache budget in bytes", type=int)
+    add(p, "--max-num-seqs", d.max_num_seqs, "running requests per step")
+    add(p, "--max-num-batched-tokens", d.max_num_batched_tokens, "tokens per step")
+    add(p, "--max-model-len", None, "context limit (default: the model's)", type=int)
+    add_switch(p, "--no-prefix-caching", "turn the prefix cache off")
+    add(p, "--kv-transport", w.kv_transport, "KV transfer transport", choices=transport_names())
+    add(p, "--kv-port", w.kv_port, "KV transport listener port (prefill; 0: any)")
+    add(p, "--lease-seconds", w.lease_seconds, "how long exported KV waits for its pull")
+    add(p, "--transfer-timeout", w.transfer_timeout_s, "seconds a KV pull may take")
+    add_switch(p, "--verify-checksum", "CRC32-check every KV transfer")
+    add(p, "--torch-threads", w.torch_threads, "torch intra-op threads (0: torch's default)")
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    d = SchedulerConfig()
+    add(p, "--routing-policy", d.routing_policy, "routing policy", choices=sorted(POLICIES))
+    add(p, "--max-attempts", d.max_attempts, "tries per stage before a request fails")
+    add(p, "--retry-backoff", d.retry_backoff_s, "first retry's backoff in seconds")
+    add(p, "--refresh", d.refresh_s, "seconds between reads of the cluster state")
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    return ServiceConfig(
+        worker_id=args.worker_id, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, metrics_port=args.metrics_port,
+        redis_url=args.redis_url, cluster=args.cluster, grace_s=args.grace,
+        log_level=args.log_level,
+    )  # fmt: skip
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+    )  # fmt: skip
+    return WorkerConfig(
+        service=service_config(args), engine=engine, kv_transport=args.kv_transport,
+        kv_port=args.kv_port, lease_seconds=args.lease_seconds,
+        transfer_timeout_s=args.transfer_timeout, verify_checksum=args.verify_checksum,
+        torch_threads=args.torch_threads,
+    )  # fmt: skip
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        service=service_config(args), routing_policy=args.routing_policy,
+        max_attempts=args.max_attempts, retry_backoff_s=args.retry_backoff,
+        refresh_s=args.refresh,
+    )  # fmt: skip

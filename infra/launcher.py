@@ -1,0 +1,198 @@
+"""``ferry up``: a whole local cluster as child processes.
+
+Starts a private redis-server (unless a Redis URL is given), then the prefill and decode
+workers and the scheduler, each as ``ferry serve ROLE``; waits until every one answers its gRPC
+health check; prints the endpoints; and on Ctrl-C / SIGTERM stops them all (scheduler first,
+redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG). A worker
+that dies is reported and the others go on serving; the exit code is then non-zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from infra.redis_server import free_port, start_redis
+from protos import scheduler_pb2, scheduler_pb2_grpc
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    address: str  # gRPC host:port ("" for redis)
+    metrics_port: int
+    proc: subprocess.Popen[bytes]
+
+
+@dataclass
+class ClusterSpec:
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    scheduler_port: int = 50051
+    redis_url: str = ""  # "": start a private redis-server
+    cluster: str = "default"
+    startup_timeout_s: float = 180.0
+    serve_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
+
+
+class Launcher:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.children: list[Child] = []
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.redis_url = spec.redis_url
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        s = self.spec
+        if not self.redis_url:
+            port = free_port(s.host)
+            self.redis = start_redis(port, s.host)
+            self.redis_url = f"redis://{s.host}:{port}/0"
+        for i in range(s.prefill):
+            self._spawn("prefill", f"prefill-{i}")
+        for i in range(s.decode):
+            self._spawn("decode", f"decode-{i}")
+        self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
+        self._wait_healthy()
+
+    def _spawn(self, role: str, name: str, port: int = 0) -> None:
+        port = port or free_port(self.spec.host)
+        metrics_port = free_port(self.spec.host)
+        cmd = [sys.executable, "-m", "infra.cli", "serve", role, "--worker-id", name,
+               "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
+               "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
+               *self.spec.serve_args.get(role, [])]  # fmt: skip
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        self.children.append(Child(name, role, f"{self.spec.host}:{port}", metrics_port, proc))
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        for child in self.children:
+            with grpc.insecure_channel(child.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while not _serving(stub):
+                    if child.proc.poll() is not None:
+                        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} "
+                                           "during start-up (its log is above)")  # fmt: skip
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{child.name} not healthy at {child.address} after "
+                                           f"{self.spec.startup_timeout_s:.0f}s")  # fmt: skip
+                    time.sleep(0.2)
+        self._wait_scheduler_sees_workers(deadline)
+
+    def _wait_scheduler_sees_workers(self, deadline: float) -> None:
+        """Ready means servable: the scheduler's view holds every worker we started."""
+        workers = {c.name for c in self.children if c.role != "scheduler"}
+        for sched in (c for c in self.children if c.role == "scheduler"):
+            with grpc.insecure_channel(sched.address) as channel:
+                stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                seen: set[str] = set()
+                while not workers <= seen:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{sched.name} does not see {sorted(workers - seen)}")
+                    reply = stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=5)
+                    seen = {w.info.worker_id for w in reply.workers}
+                    time.sleep(0.1)
+
+    def describe(self) -> str:
+        lines = [f"  redis      {self.redis_url}" + ("  (private)" if self.redis else "")]
+        for c in self.children:
+            lines.append(f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
+                         f"{c.metrics_port}/metrics")  # fmt: skip
+        return "\n".join(lines)
+
+    def wait(self) -> int:
+        """Serve until asked to stop; returns 1 if any child died on its own, else 0.
+
+        A dead worker is reported and the rest keep serving (the scheduler routes around it, as
+        it would in a real deployment). The cluster stops when the scheduler, redis, or the last
+        worker of a role is gone: nothing could be served any more.
+        """
+        reported: set[str] = set()
+        while not self._stop.wait(0.5):
+            for c in self.children:
+                if c.proc.poll() is not None and c.name not in reported:
+                    reported.add(c.name)
+                    print(f"ferry up: {c.name} exited with code {c.proc.returncode}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            if fatal := self._fatal():
+                print(f"ferry up: {fatal}; stopping the cluster", file=sys.stderr, flush=True)
+                break
+        return 1 if reported or self._fatal() else 0
+
+    def _fatal(self) -> str:
+        if self.redis is not None and self.redis.poll() is not None:
+            return "redis-server exited"
+        for role in ("scheduler", "prefill", "decode"):
+            if all(c.proc.poll() is not None for c in self.children if c.role == role):
+                return f"no {role} is left"
+        return ""
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the scheduler, then the workers, then redis; SIGKILL what does not exit."""
+        for group in (["scheduler"], ["prefill", "decode"]):
+            procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
+            _terminate(procs, grace_s)
+        if self.redis is not None:
+            _terminate([self.redis], grace_s)
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"ferry up: pid {p.pid} did not stop within {grace_s:.0f}s; killing it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            p.kill()
+            p.wait()
+
+
+def _serving(stub: health_pb2_grpc.HealthStub) -> bool:
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def run(spec: ClusterSpec) -> int:
+    launcher = Launcher(spec)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    code = 1
+    try:
+        launcher.start()
+        print(f"ferry up: ready (pid {os.getpid()}); Ctrl-C stops the cluster\n"
+              f"{launcher.describe()}", flush=True)  # fmt: skip
+        code = launcher.wait()
+    except RuntimeError as e:
+        print(f"ferry up: {e}", file=sys.stderr, flush=True)
+    finally:
+        launcher.stop()
+    return code

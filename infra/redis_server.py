@@ -1,0 +1,47 @@
+"""A private redis-server on a loopback port: the embedded default of ``ferry up``."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import redis
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_redis(
+    port: int, host: str = "127.0.0.1", timeout: float = 10.0
+) -> subprocess.Popen[bytes]:
+    """Start ``redis-server`` (no persistence) and wait until it answers PING."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError(
+            "redis-server is not installed: run `make setup` (apt-get install redis-server)"
+        )
+    cmd = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+           "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {proc.returncode} (port {port})")
+            try:
+                if client.ping():
+                    return proc
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(f"redis-server did not answer on {host}:{port}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
