@@ -1,12 +1,18 @@
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from infra.redis_server import free_port
+from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
 from services.engine.model import load_model, prompt_logits
+from tests.redis_server import redis_server
 
 
 def _ferry(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,6 +40,49 @@ def test_unknown_preset_is_a_usage_error(tmp_path: Path) -> None:
     assert run.returncode == 2 and "invalid choice: 'huge'" in run.stderr
 
 
-def test_up_says_not_yet() -> None:
-    run = _ferry("up")
-    assert run.returncode == 2 and "not yet" in run.stderr
+def test_every_serve_flag_names_its_environment_variable() -> None:
+    run = _ferry("serve", "prefill", "--help")
+    assert run.returncode == 0, run.stderr
+    for env in ("FERRY_REDIS_URL", "FERRY_KV_TRANSPORT", "FERRY_BLOCK_SIZE", "FERRY_METRICS_PORT"):
+        assert env in run.stdout
+
+
+def test_environment_variables_set_flag_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra.cli import build_parser
+
+    monkeypatch.setenv("FERRY_ROUTING_POLICY", "round_robin")
+    monkeypatch.setenv("FERRY_MAX_ATTEMPTS", "5")
+    args = build_parser().parse_args(["serve", "scheduler"])
+    assert args.routing_policy == "round_robin" and args.max_attempts == 5
+    args = build_parser().parse_args(["serve", "scheduler", "--max-attempts", "2"])
+    assert args.max_attempts == 2  # a flag beats its variable
+
+
+def test_status_without_redis_is_an_error_that_names_the_url() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    run = _ferry("status", "--redis-url", url)
+    assert run.returncode == 1 and f"cannot reach Redis at {url}" in run.stderr
+
+
+def test_status_lists_registered_workers() -> None:
+    async def main(url: str) -> tuple[subprocess.CompletedProcess[str], ...]:
+        state = ClusterState(url, "cli")
+        load = LoadReport(running=2, free_kv_blocks=40, total_kv_blocks=64, cached_kv_blocks=8,
+                          updated_at=time.time())  # fmt: skip
+        await state.register(WorkerRecord("decode-7", "decode", "127.0.0.1:9"), lambda: load)
+        try:
+            return await asyncio.gather(
+                asyncio.to_thread(_ferry, "status", "--redis-url", url, "--cluster", "cli"),
+                asyncio.to_thread(_ferry, "status", "--redis-url", url, "--cluster", "other"),
+            )
+        finally:
+            await state.close()
+
+    with redis_server() as redis:
+        run, empty = asyncio.run(main(redis.url))
+    assert run.returncode == 0, run.stderr
+    header, line = run.stdout.splitlines()
+    assert header.split()[:4] == ["worker", "role", "address", "health"]
+    assert line.split() == ["decode-7", "decode", "127.0.0.1:9", "ok", "2", "0", "0", "24", "64",
+                            "8"]  # fmt: skip
+    assert "no workers registered in cluster 'other'" in empty.stdout

@@ -1,0 +1,125 @@
+"""Test helper: a real local cluster started with ``ferry up`` against a test's own Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from infra.redis_server import free_port
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.cluster_state import ClusterState, WorkerView
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen[str]
+    redis_url: str
+    scheduler: str  # host:port
+    cluster: str
+    pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid, read once at start
+
+    def views(self, role: str | None = None) -> list[WorkerView]:
+        async def read() -> list[WorkerView]:
+            state = ClusterState(self.redis_url, self.cluster)
+            try:
+                return await state.workers(role)
+            finally:
+                await state.close()
+
+        return asyncio.run(read())
+
+    def signal(self, worker_id: str, sig: signal.Signals) -> None:
+        os.kill(self.pids[worker_id], sig)
+
+    def wait_for(self, what: str, ok: object, timeout: float) -> float:
+        """Poll ``ok()`` until true; returns the seconds it took (fails after ``timeout``)."""
+        started = time.monotonic()
+        while not ok():  # type: ignore[operator]
+            if time.monotonic() - started > timeout:
+                raise AssertionError(f"{what}: not within {timeout}s")
+            time.sleep(0.1)
+        return time.monotonic() - started
+
+    def all_blocks_free(self) -> bool:
+        """Every worker's load report says no KV block is in use (free or cached only)."""
+        loads = [v.load for v in self.views() if v.record.role in ("prefill", "decode")]
+        return bool(loads) and all(
+            ld is not None and ld.free_kv_blocks == ld.total_kv_blocks for ld in loads
+        )
+
+
+@contextmanager
+def ferry_up(
+    redis_url: str, *args: str, cluster: str = "test", timeout: float = 180.0
+) -> Iterator[Cluster]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "infra.cli", "up", "--redis-url", redis_url,
+           "--scheduler-port", str(port), "--cluster", cluster, *args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"ferry up exited with {proc.wait()} before it was ready")
+            if "ferry up: ready" in line:
+                break
+            assert time.monotonic() < deadline, "ferry up was not ready in time"
+        c = Cluster(proc, redis_url, f"127.0.0.1:{port}", cluster)
+        c.pids = {v.record.worker_id: v.record.pid for v in c.views()}
+        yield c
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:
+    kw.setdefault("temperature", 0.0)
+    return common_pb2.SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    chunks: int
+    finish_reason: str
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+
+async def generate(
+    address: str,
+    prompt: Sequence[int],
+    params: common_pb2.SamplingParams,
+    request_id: str = "",
+    timeout: float = 60.0,
+) -> Result:
+    """One Generate call to completion or error (never raises an RPC error)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        req = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
+                                            sampling_params=params)  # fmt: skip
+        res = Result([], 0, "")
+        try:
+            async for chunk in stub.Generate(req, timeout=timeout):
+                res.token_ids += chunk.token_ids
+                res.chunks += 1
+                res.finish_reason = chunk.finish_reason
+        except grpc.aio.AioRpcError as e:
+            res.code, res.details = e.code(), e.details() or ""
+        return res

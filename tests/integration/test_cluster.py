@@ -1,0 +1,222 @@
+"""The disaggregated cluster end to end: real redis-server, real `ferry up` processes, gRPC.
+
+Cluster A (1 prefill, 2 decode, UCX, least_loaded) serves the parity, streaming, cancellation,
+validation, Redis-restart and decode-failure tests, in that order (the last one kills a decode
+worker). Cluster B (2 prefill, 1 decode, gRPC transport, round_robin) is for the prefill failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.engine import Engine, EngineConfig, SamplingParams
+from tests.cluster import Cluster, Result, ferry_up, generate, greedy
+from tests.helpers import make_hf_checkpoint
+from tests.redis_server import RedisServer, redis_server
+
+BLOCK_SIZE, NUM_BLOCKS = 16, 256
+WORKER_ARGS = f"--block-size {BLOCK_SIZE} --verify-checksum --transfer-timeout 5"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # wide logit margins: greedy tokens cannot flip with batch composition
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=3, lm_head_scale=20.0)
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster_a(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
+    with ferry_up(redis.url, "--prefill", "1", "--decode", "2", "--model", str(checkpoint),
+                  "--num-kv-blocks", str(NUM_BLOCKS), "--worker-args", WORKER_ARGS,
+                  cluster="a") as c:  # fmt: skip
+        yield c
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(5 + 23 * i)] for i in range(n)]
+
+
+def run(*coros: object) -> list[Result]:
+    async def main() -> list[Result]:
+        return list(await asyncio.gather(*coros))  # type: ignore[arg-type]
+
+    return asyncio.run(main())
+
+
+def test_greedy_outputs_equal_the_in_process_engine(cluster_a: Cluster, checkpoint: Path) -> None:
+    ps = prompts(16)
+    results = run(*(generate(cluster_a.scheduler, p, greedy(12, ignore_eos=True)) for p in ps))
+    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
+                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for res, ref in zip(results, expected, strict=True):
+        assert res.code is None, res.details
+        assert res.token_ids == ref.token_ids and res.finish_reason == "length"
+    decodes = {v.record.worker_id for v in cluster_a.views("decode")}
+    assert decodes == {"decode-0", "decode-1"}
+    cluster_a.wait_for("blocks free", cluster_a.all_blocks_free, 5)
+
+
+def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
+    """With every decode worker stopped, the first token still reaches the client."""
+
+    async def main() -> tuple[float, Result]:
+        for w in ("decode-0", "decode-1"):
+            cluster_a.signal(w, signal.SIGSTOP)
+        try:
+            async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
+                from protos import scheduler_pb2, scheduler_pb2_grpc
+
+                stub = scheduler_pb2_grpc.SchedulerStub(ch)
+                call = stub.Generate(scheduler_pb2.GenerateRequest(
+                    prompt_token_ids=prompts(3)[2], sampling_params=greedy(8, ignore_eos=True)))  # fmt: skip
+                started = time.monotonic()
+                first = await asyncio.wait_for(call.read(), 2.0)
+                waited = time.monotonic() - started
+        finally:
+            for w in ("decode-0", "decode-1"):
+                cluster_a.signal(w, signal.SIGCONT)
+        assert len(first.token_ids) == 1 and not first.finish_reason
+        rest = await generate(cluster_a.scheduler, prompts(3)[2], greedy(8, ignore_eos=True))
+        return waited, rest
+
+    waited, rest = asyncio.run(main())
+    assert waited < 2.0 and rest.code is None and len(rest.token_ids) == 8
+
+
+def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster_a: Cluster) -> None:
+    async def main() -> None:
+        from protos import scheduler_pb2, scheduler_pb2_grpc
+
+        async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
+                prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)))
+                for p in prompts(4)]  # fmt: skip
+            for call in calls:
+                for _ in range(3):
+                    await call.read()
+            await asyncio.sleep(1.2)  # a heartbeat carries the load
+            busy = [v.load for v in await asyncio.to_thread(cluster_a.views, "decode")]
+            assert sum(ld.running for ld in busy if ld) >= 1
+            for call in calls:
+                call.cancel()
+
+    asyncio.run(main())
+    cluster_a.wait_for("blocks free after cancel", cluster_a.all_blocks_free, 5)
+
+
+def test_cancel_between_prefill_and_decode_releases_the_lease(cluster_a: Cluster) -> None:
+    async def main() -> None:
+        from protos import scheduler_pb2, scheduler_pb2_grpc
+
+        for w in ("decode-0", "decode-1"):
+            cluster_a.signal(w, signal.SIGSTOP)
+        try:
+            async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
+                stub = scheduler_pb2_grpc.SchedulerStub(ch)
+                call = stub.Generate(scheduler_pb2.GenerateRequest(
+                    prompt_token_ids=prompts(6)[5], sampling_params=greedy(20)))  # fmt: skip
+                await asyncio.wait_for(call.read(), 2.0)
+                call.cancel()
+                await asyncio.sleep(0.3)
+        finally:
+            for w in ("decode-0", "decode-1"):
+                cluster_a.signal(w, signal.SIGCONT)
+
+    asyncio.run(main())
+    cluster_a.wait_for("lease released", cluster_a.all_blocks_free, 5)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], greedy(4), "prompt_token_ids is empty"),
+        ([1, 2, 3], greedy(0), "max_tokens must be at least 1"),
+        ([1, 2, 3], greedy(-5), "max_tokens must be at least 1"),
+        ([1] * 1020, greedy(10), "exceeds the model's limit of 1024"),
+        ([1, 2, 3], greedy(4, temperature=-1.0), "temperature must be >= 0"),
+        ([1, 2, 3], greedy(4, top_p=2.0), "top_p must be in (0, 1]"),
+        ([1, 2, 3], greedy(4, temperature=float("nan")), "temperature must be a finite number"),
+        ([1, 99999], greedy(4), "outside the vocabulary"),
+    ],
+)
+def test_invalid_requests_are_refused_and_allocate_nothing(
+    cluster_a: Cluster, prompt: list[int], params: object, message: str
+) -> None:
+    (res,) = run(generate(cluster_a.scheduler, prompt, params))  # type: ignore[arg-type]
+    assert res.code == grpc.StatusCode.INVALID_ARGUMENT and message in res.details, res.details
+    assert res.chunks == 0
+    assert cluster_a.all_blocks_free()
+
+
+def test_services_re_register_after_a_redis_restart(cluster_a: Cluster, redis: RedisServer) -> None:
+    redis.restart()
+    took = cluster_a.wait_for("re-registered", lambda: len(cluster_a.views()) == 4, 5)
+    assert took < 5
+    # the scheduler's view refreshes from the new Redis, then serves again
+    results = run(*(generate(cluster_a.scheduler, p, greedy(4)) for p in prompts(4)))
+    assert all(r.code is None and len(r.token_ids) >= 1 for r in results), results
+
+
+def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
+    cluster_a: Cluster,
+) -> None:
+    cluster_a.signal("decode-1", signal.SIGKILL)
+    killed = time.monotonic()
+    # requests sent at once may be routed to the dead worker: they are retried on decode-0
+    results = run(
+        *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
+    )
+    assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+    gone = lambda: "decode-1" not in {v.record.worker_id for v in cluster_a.views()}  # noqa: E731
+    cluster_a.wait_for("decode-1 deregistered", gone, max(0.1, 3.5 - (time.monotonic() - killed)))
+    results = run(
+        *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
+    )
+    assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+
+
+def test_killed_prefill_worker_retries_what_streamed_nothing(
+    redis: RedisServer, checkpoint: Path
+) -> None:
+    """prefill-0 is stopped with requests queued, then killed: those retry on prefill-1. One
+    request whose first token came from prefill-0 but whose KV was never pulled (its decode
+    worker was stopped) ends with UNAVAILABLE."""
+    with ferry_up(redis.url, "--prefill", "2", "--decode", "1", "--model", str(checkpoint),
+                  "--num-kv-blocks", str(NUM_BLOCKS), "--kv-transport", "grpc",
+                  "--routing-policy", "round_robin", "--worker-args", WORKER_ARGS,
+                  cluster="b") as c:  # fmt: skip
+
+        async def main() -> tuple[Result, list[Result]]:
+            c.signal("decode-0", signal.SIGSTOP)
+            try:
+                stranded = asyncio.create_task(generate(c.scheduler, prompts(2)[1], greedy(8)))
+                await asyncio.sleep(0.5)  # round robin: this one took prefill-0
+                c.signal("prefill-0", signal.SIGSTOP)
+                queued = [asyncio.create_task(generate(c.scheduler, p, greedy(5, ignore_eos=True)))
+                          for p in prompts(8)]  # fmt: skip
+                await asyncio.sleep(0.5)
+                c.signal("prefill-0", signal.SIGKILL)
+            finally:
+                c.signal("decode-0", signal.SIGCONT)
+            return await stranded, list(await asyncio.gather(*queued))
+
+        stranded, queued = asyncio.run(asyncio.wait_for(main(), 60))
+        assert stranded.code == grpc.StatusCode.UNAVAILABLE and stranded.chunks == 1
+        assert "prefill-0" in stranded.details, stranded.details
+        assert all(r.code is None and len(r.token_ids) == 5 for r in queued), queued
+        c.wait_for("blocks free", c.all_blocks_free, 5)

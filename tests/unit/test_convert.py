@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from protos import common_pb2 as pb
+from services.common import convert
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.handle import KvHandle, LayoutFingerprint
+
+
+def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_limit() -> None:
+    params = convert.sampling_params_from_pb(pb.SamplingParams())
+    default = SamplingParams(max_tokens=None)
+    assert params == default and params.max_tokens is None
+
+
+def test_sampling_params_round_trip() -> None:
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=11, max_tokens=33,
+                       stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2,
+                       presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
+    assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+        ({"temperature": math.inf}, "temperature must be a finite number"),
+        ({"top_p": math.nan}, "top_p must be a finite number"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+    ],
+)
+def test_bad_values_name_the_field(fields: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        convert.sampling_params_from_pb(pb.SamplingParams(**fields))  # type: ignore[arg-type]
+
+
+def test_kv_handle_round_trip_and_empty_transfer_id() -> None:
+    h = KvHandle(transfer_id="t-1", worker_id="prefill-0", host="127.0.0.1", port=4242,
+                 num_tokens=40, block_size=16, num_blocks=3,
+                 layout=LayoutFingerprint("abc", "bfloat16", 4, 576, 16), expires_at=12.5,
+                 transport="ucx")  # fmt: skip
+    assert convert.kv_handle_from_pb(convert.kv_handle_to_pb(h)) == h
+    with pytest.raises(ValueError, match="transfer_id is empty"):
+        convert.kv_handle_from_pb(pb.KvHandle())
+
+
+def test_logprobs_round_trip() -> None:
+    lp = {3: -0.1, 9: -2.5}
+    assert convert.logprobs_from_pb(convert.logprobs_to_pb(lp)) == pytest.approx(lp)
+    assert convert.logprobs_from_pb(convert.logprobs_to_pb(None)) is None

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from services.common.cluster_state import LoadReport, WorkerRecord
+from services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+
+REQ = RouteRequest("r", num_prompt_tokens=100, num_blocks=7)
+
+
+def cand(wid: str, role: str, **load: int) -> Candidate:
+    routed = {k: load.pop(k) for k in ("routed_requests", "routed_tokens", "routed_blocks")
+              if k in load}  # fmt: skip
+    return Candidate(WorkerRecord(wid, role, "127.0.0.1:1"), LoadReport(**load), **routed)
+
+
+def test_registry_names_both_policies_and_rejects_others() -> None:
+    assert {"least_loaded", "round_robin"} <= set(POLICIES)
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        create_policy("fastest")
+
+
+def test_least_loaded_prefill_takes_fewest_queued_tokens_counting_routed_ones() -> None:
+    policy = create_policy("least_loaded")
+    a = cand("a", "prefill", queued_prefill_tokens=500)
+    b = cand("b", "prefill", queued_prefill_tokens=100)
+    assert policy.pick_prefill([a, b], REQ).worker_id == "b"
+    # what this scheduler sent to b since its report counts too
+    b = cand("b", "prefill", queued_prefill_tokens=100, routed_tokens=600, routed_requests=3)
+    assert policy.pick_prefill([a, b], REQ).worker_id == "a"
+
+
+def test_least_loaded_decode_takes_most_free_blocks_then_fewest_running() -> None:
+    policy = create_policy("least_loaded")
+    a = cand("a", "decode", free_kv_blocks=50, running=1)
+    b = cand("b", "decode", free_kv_blocks=90, running=9)
+    assert policy.pick_decode([a, b], REQ).worker_id == "b"
+    b = cand("b", "decode", free_kv_blocks=90, running=9, routed_blocks=40)
+    assert policy.pick_decode([a, b], REQ).worker_id == "a"
+    c = cand("c", "decode", free_kv_blocks=50, running=0)
+    assert policy.pick_decode([a, c], REQ).worker_id == "c"
+
+
+def test_least_loaded_ties_go_to_the_lower_worker_id() -> None:
+    policy = create_policy("least_loaded")
+    ws = [cand(w, "decode", free_kv_blocks=10) for w in ("d2", "d0", "d1")]
+    assert policy.pick_decode(ws, REQ).worker_id == "d0"
+
+
+def test_round_robin_cycles_per_role_in_worker_id_order() -> None:
+    policy = create_policy("round_robin")
+    ps = [cand(w, "prefill") for w in ("p1", "p0")]
+    ds = [cand(w, "decode", free_kv_blocks=99 if w == "d0" else 0) for w in ("d0", "d1", "d2")]
+    assert [policy.pick_prefill(ps, REQ).worker_id for _ in range(4)] == ["p0", "p1"] * 2
+    assert [policy.pick_decode(ds, REQ).worker_id for _ in range(4)] == ["d0", "d1", "d2", "d0"]
