@@ -16,6 +16,7 @@ from services.common.log import get_logger
 from services.common.server import Service
 from services.engine import AsyncEngine, EngineConfig
 from services.kv_transfer import LayoutFingerprint, TransferError
+from services.kv_transfer.ucx import use_service_defaults
 
 log = get_logger(__name__)
 
@@ -43,6 +44,7 @@ class EngineWorker(Service):
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        use_service_defaults()  # a decode worker pulls over whatever transport a handle names
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.worker_id = config.service.name_for(self.role)

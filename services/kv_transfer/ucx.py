@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # UCX reads its configuration from the environment once, when ucxx is imported. Defaults, each
 # measured with loadtest/bench_kv_transfer.py and a plain ucxx loop of 126 MB messages here:
 # - blocking progress (ucxx waits on UCX's event fd in the asyncio loop): ~2.3x ucxx's default
-#   progress thread, as fast as polling without spinning a core;
+#   progress thread, as fast as polling;
 # - put_zcopy rendezvous: faster than get_zcopy or auto for large messages;
 # - no warning about the variables ucxx itself sets.
 UCX_DEFAULTS = {
@@ -48,7 +48,20 @@ UCX_DEFAULTS = {
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
+# A long-running service has one event loop for its whole life and keeps pooled endpoints
+# open between pulls. Without Python futures every pending receive (an idle pooled endpoint
+# waiting for its next request) polls the event loop with sleep(0): measured, a prefill and a
+# decode worker each spun a whole core while idle. With the progress thread and futures a
+# request completes by resolving its future, and idle costs nothing. Futures bind ucxx's
+# process-wide context to one event loop, which is why this is for services only.
+UCX_SERVICE_DEFAULTS = {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 CLOSE_WAIT_S = 2.0  # how long close() waits for the listener's handlers to end
+
+
+def use_service_defaults() -> None:
+    """Call before the first UCX use in a service process (one event loop, pooled endpoints)."""
+    for k, v in UCX_SERVICE_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 def _ucxx() -> Any:
