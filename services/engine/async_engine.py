@@ -161,8 +161,7 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 self._apply(adds, aborts)
-                for out in self.engine.step():
-                    self._deliver(out)
+                self._deliver_all(self.engine.step())
                 self._load = self.engine.load()
         except BaseException as e:  # the engine is broken: fail every stream, then stop
             with self._cv:
@@ -184,12 +183,23 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
+        self._deliver_all([out])
+
+    def _deliver_all(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not per output
+        (64 running requests would otherwise cost 64 self-pipe writes per step)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._cv:
-            stream = self._streams.get(out.request_id)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        if stream is not None:
-            self._put(stream, out)
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            # RuntimeError: the caller's event loop has closed, nobody is listening
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _deliver_error(self, rid: str, err: BaseException) -> None:
         with self._cv:
@@ -208,3 +218,8 @@ class AsyncEngine:
         # RuntimeError: the caller's event loop has closed, nobody is listening
         with contextlib.suppress(RuntimeError):
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
