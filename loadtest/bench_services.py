@@ -1,0 +1,186 @@
+"""Control-plane overhead: 64 concurrent greedy requests through a `ferry up` cluster against the
+same requests in one in-process Engine, on the same machine, in one run.
+
+The cluster is the real thing: a private redis-server, prefill and decode workers and the
+scheduler as separate processes, KV over the chosen transport, the client speaking gRPC to the
+scheduler. Output tokens/s counts the tokens each request asked for (ignore_eos) over the wall
+time from the first request sent to the last token received.
+
+Two in-process baselines run in the same process as the client, one after the other:
+- ``matched``: the engine with as many torch threads as one cluster worker has (default 1).
+  Every engine then has the same compute, so the ratio is what the services add around them
+  (gRPC, Redis, the KV transfer, the scheduler) plus the cost of splitting a request in two.
+- ``all cores``: the engine with torch's default threads (every core). On a host with fewer
+  cores than workers the cluster cannot match it: a prefill and a decode worker each get one
+  core, and a request's path (its prefill, then all its decode steps) runs on one core at a
+  time, while the in-process engine runs every step on all of them.
+
+The measurement runs ``--rounds`` times, alternating cluster and in-process on fresh prompts
+(no prefix-cache hits across rounds); the ratios are the medians of the per-round ratios.
+
+    python loadtest/bench_services.py                   # tiny model, 1 prefill + 1 decode, ucx
+    python loadtest/bench_services.py --model small --decode 2 --kv-transport grpc
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from infra.launcher import ClusterSpec, Launcher
+from infra.redis_server import free_port
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.engine import Engine, EngineConfig, SamplingParams
+
+
+def workload(n: int, seed: int, prompt: tuple[int, int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(prompt[0], prompt[1] + 1, (n,), generator=gen).tolist()
+    return [torch.randint(1, 250, (n_,), generator=gen).tolist() for n_ in lens]
+
+
+def _rate(tokens: int, seconds: float, **extra: object) -> dict[str, object]:
+    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+            **extra}  # fmt: skip
+
+
+def run_inprocess(
+    engine: Engine, threads: int, prompts: list[list[int]], n: int
+) -> dict[str, object]:
+    torch.set_num_threads(threads)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == len(prompts) * n, tokens
+    return _rate(tokens, seconds, threads=threads)
+
+
+async def _one(
+    stub: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], n: int
+) -> tuple[int, float]:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+    sent = time.perf_counter()
+    ttft, tokens = 0.0, 0
+    async for chunk in stub.Generate(req):
+        if not tokens:
+            ttft = time.perf_counter() - sent
+        tokens += len(chunk.token_ids)
+    return tokens, ttft
+
+
+async def _drive(address: str, prompts: list[list[int]], n: int) -> dict[str, object]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        t = time.perf_counter()
+        results = await asyncio.gather(*(_one(stub, p, n) for p in prompts))
+        seconds = time.perf_counter() - t
+    tokens = sum(r[0] for r in results)
+    assert tokens == len(prompts) * n, tokens
+    ttfts = sorted(r[1] for r in results)
+    return _rate(tokens, seconds, ttft_p50_s=statistics.median(ttfts), ttft_max_s=ttfts[-1])
+
+
+def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
+    worker = ["--model", args.model, "--kv-transport", args.kv_transport, "--log-level", "warning"]
+    if args.num_kv_blocks:
+        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    threads = ["--torch-threads", str(args.worker_threads)]
+    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, scheduler_port=free_port(),
+                       cluster="bench", serve_args={"prefill": [*worker, *threads],
+                                                    "decode": [*worker, *threads],
+                                                    "scheduler": ["--log-level", "warning"]})  # fmt: skip
+    launcher = Launcher(spec)
+    launcher.start()
+    return launcher, f"{spec.host}:{spec.scheduler_port}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--requests", type=int, default=64, help="all sent at once")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "grpc"])
+    p.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="0: from memory")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtest/results/services.json")
+    args = p.parse_args()
+    all_cores = torch.get_num_threads()
+    n, span = args.output_len, tuple(args.prompt_len)
+    warmup = workload(8, args.seed + 1000, span)
+
+    engine = Engine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks or None))
+    engine.generate(warmup, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    launcher, address = start_cluster(args)
+    rounds = []
+    try:
+        asyncio.run(_drive(address, warmup, n))
+        for r in range(args.rounds):
+            prompts = workload(args.requests, args.seed + r, span)
+            row = {"cluster": asyncio.run(_drive(address, prompts, n)),
+                   "inprocess_matched": run_inprocess(engine, args.worker_threads, prompts, n),
+                   "inprocess_all_cores": run_inprocess(engine, all_cores, prompts, n)}  # fmt: skip
+            rounds.append(row)
+            print(f"round {r}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.0f} tok/s"
+                                             for k, v in row.items()), flush=True)  # fmt: skip
+    finally:
+        launcher.stop()
+
+    def median(key: str) -> float:
+        return statistics.median(float(r[key]["output_tokens_per_s"]) for r in rounds)  # type: ignore[arg-type]
+
+    def ratio(key: str) -> float:
+        return statistics.median(
+            float(r["cluster"]["output_tokens_per_s"]) / float(r[key]["output_tokens_per_s"])  # type: ignore[arg-type]
+            for r in rounds
+        )
+
+    result = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "workload": {"model": args.model, "requests": args.requests, "concurrent": args.requests,
+                     "prompt_len": list(span), "output_len": n, "greedy": True,
+                     "seed": args.seed, "rounds": args.rounds},
+        "cluster_config": {"prefill_workers": args.prefill, "decode_workers": args.decode,
+                           "kv_transport": args.kv_transport,
+                           "torch_threads_per_worker": args.worker_threads},
+        "cluster_tokens_per_s": median("cluster"),
+        "inprocess_tokens_per_s": median("inprocess_matched"),
+        "ratio": ratio("inprocess_matched"),
+        "inprocess_threads": args.worker_threads,
+        "inprocess_all_cores_tokens_per_s": median("inprocess_all_cores"),
+        "ratio_all_cores": ratio("inprocess_all_cores"),
+        "inprocess_all_cores_threads": all_cores,
+        "target_ratio": 0.70,
+        "rounds": rounds,
+    }  # fmt: skip
+    print(f"cluster / in-process ({args.worker_threads} thread(s), as a worker): "
+          f"{result['ratio']:.0%} (target >= 70%); / in-process on all {all_cores} cores: "
+          f"{result['ratio_all_cores']:.0%}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
