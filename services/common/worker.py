@@ -16,7 +16,7 @@ from services.common.log import get_logger
 from services.common.server import Service
 from services.engine import AsyncEngine, EngineConfig
 from services.kv_transfer import LayoutFingerprint, TransferError
-from services.kv_transfer.ucx import use_service_defaults
+from services.kv_transfer.ucx import stop_service_threads, use_service_defaults
 
 log = get_logger(__name__)
 
@@ -84,8 +84,10 @@ class EngineWorker(Service):
         await self.cluster.deregister()
 
     async def close(self) -> None:
+        """Subclasses close their transports first, then call this."""
         await self.cluster.close()
         self.engine.shutdown()
+        stop_service_threads()
 
 
 KV_ERROR_KEY = "ferry-kv-error"  # trailing metadata: the pull failed on the exporter's side

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,14 @@ def use_service_defaults() -> None:
     """Call before the first UCX use in a service process (one event loop, pooled endpoints)."""
     for k, v in UCX_SERVICE_DEFAULTS.items():
         os.environ.setdefault(k, v)
+
+
+def stop_service_threads() -> None:
+    """Call when a service has closed its UCX transports: ucxx's notifier thread (futures mode)
+    is not a daemon and would otherwise keep the process from exiting."""
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None:
+        ucxx.stop_notifier_thread()
 
 
 def _ucxx() -> Any:
