@@ -9,7 +9,6 @@ that dies is reported and the others go on serving; the exit code is then non-ze
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -21,15 +20,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from infra.children import die_with_parent
 from infra.redis_server import free_port, start_redis
 from protos import scheduler_pb2, scheduler_pb2_grpc
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -81,7 +74,7 @@ class Launcher:
                "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
                "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
                *self.spec.serve_args.get(role, [])]  # fmt: skip
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         self.children.append(Child(name, role, f"{self.spec.host}:{port}", metrics_port, proc))
 
     def _wait_healthy(self) -> None:

@@ -1,4 +1,5 @@
-"""A private redis-server on a loopback port: the embedded default of ``ferry up``."""
+"""A private redis-server on a loopback port: the embedded default of ``ferry up``. It dies
+with the process that started it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import time
 
 import redis
+
+from infra.children import die_with_parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,7 +31,7 @@ def start_redis(
         )
     cmd = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
            "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
     client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5)
     deadline = time.monotonic() + timeout
     try:
