@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -91,7 +92,8 @@ class Scheduler(Service):
 
     async def start(self, address: str, metrics_port: int) -> None:
         record = WorkerRecord(worker_id=self.worker_id, role=self.role, address=address,
-                              metrics_port=metrics_port, started_at=time.time())  # fmt: skip
+                              metrics_port=metrics_port, pid=os.getpid(),
+                              started_at=time.time())  # fmt: skip
         await self.cluster.register(record, lambda: LoadReport(running=len(self._active),
                                                                updated_at=time.time()))  # fmt: skip
         await self.view.refresh()

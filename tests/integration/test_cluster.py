@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +69,19 @@ def test_greedy_outputs_equal_the_in_process_engine(cluster_a: Cluster, checkpoi
     decodes = {v.record.worker_id for v in cluster_a.views("decode")}
     assert decodes == {"decode-0", "decode-1"}
     cluster_a.wait_for("blocks free", cluster_a.all_blocks_free, 5)
+
+
+def test_every_service_serves_prometheus_metrics(cluster_a: Cluster) -> None:
+    expect = {"scheduler": "ferry_time_to_first_token_seconds_count",
+              "prefill": "ferry_prefill_requests_total",
+              "decode": "ferry_decode_tokens_per_message_count"}  # fmt: skip
+    for view in cluster_a.views():
+        r = view.record
+        url = f"http://127.0.0.1:{r.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(expect[r.role])]
+        assert float(line.split()[-1]) > 0, (r.worker_id, line)
 
 
 def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
@@ -188,6 +202,36 @@ def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
     )
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+
+
+def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
+    """SIGTERM: the worker leaves the registry at once (nothing new is routed to it) and the
+    streams it is serving run to the end within the grace period. decode-0 is the last decode
+    worker, so this ends cluster A."""
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+
+    async def main() -> tuple[list[int], float]:
+        async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
+                prompt_token_ids=p, sampling_params=greedy(64, ignore_eos=True)), timeout=30)
+                for p in prompts(4)]  # fmt: skip
+            counts = []
+            for call in calls:  # the first token, then one from decode-0
+                counts.append(sum([len((await call.read()).token_ids) for _ in range(2)]))
+            cluster_a.signal("decode-0", signal.SIGTERM)
+            signalled = time.monotonic()
+            gone = lambda: "decode-0" not in {v.record.worker_id for v in cluster_a.views()}  # noqa: E731
+            await asyncio.to_thread(cluster_a.wait_for, "decode-0 deregistered", gone, 2.0)
+            left_after = time.monotonic() - signalled
+            for i, call in enumerate(calls):
+                while (chunk := await call.read()) is not grpc.aio.EOF:
+                    counts[i] += len(chunk.token_ids)
+            return counts, left_after
+
+    counts, left_after = asyncio.run(asyncio.wait_for(main(), 60))
+    assert left_after < 1.0  # deregistered at once, not by expiry
+    assert counts == [64] * 4
 
 
 def test_killed_prefill_worker_retries_what_streamed_nothing(
