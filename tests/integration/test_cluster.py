@@ -1,14 +1,17 @@
 """The disaggregated cluster end to end: real redis-server, real `ferry up` processes, gRPC.
 
-Cluster A (1 prefill, 2 decode, UCX, least_loaded) serves the parity, streaming, cancellation,
-validation, Redis-restart and decode-failure tests, in that order (the last one kills a decode
-worker). Cluster B (2 prefill, 1 decode, gRPC transport, round_robin) is for the prefill failure.
+Cluster A (1 prefill, 2 decode, UCX, least_loaded) serves, in file order: parity, metrics,
+streaming, cancellation, validation, Redis restart, a second scheduler replica, then the
+failure tests (kill -9 of decode-1, SIGTERM of decode-0, which ends it). Cluster B (2 prefill,
+1 decode, gRPC transport, round_robin) is for the prefill failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from infra.redis_server import free_port
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint
@@ -184,6 +188,27 @@ def test_services_re_register_after_a_redis_restart(cluster_a: Cluster, redis: R
     # the scheduler's view refreshes from the new Redis, then serves again
     results = run(*(generate(cluster_a.scheduler, p, greedy(4)) for p in prompts(4)))
     assert all(r.code is None and len(r.token_ids) >= 1 for r in results), results
+
+
+def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluster) -> None:
+    """`ferry serve scheduler` on its own, against cluster A's Redis: no request state is
+    shared, so both replicas route to the same workers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "infra.cli", "serve", "scheduler", "--worker-id", "scheduler-1",
+           "--port", str(port), "--redis-url", cluster_a.redis_url, "--cluster", "a"]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    try:
+        replica = f"127.0.0.1:{port}"
+        names = lambda: {v.record.worker_id for v in cluster_a.views("scheduler")}  # noqa: E731
+        cluster_a.wait_for("replica registered", lambda: "scheduler-1" in names(), 30)
+        ps = prompts(6)
+        results = run(*(generate(addr, p, greedy(6, ignore_eos=True))
+                        for addr, p in zip([replica, cluster_a.scheduler] * 3, ps, strict=True)))  # fmt: skip
+        assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    assert "scheduler-1" not in names()
 
 
 def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
