@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from infra import flags
 from services.engine.model.presets import PRESETS
 
-ROLES = ("prefill", "decode", "scheduler")
+ROLES = ("prefill", "decode", "scheduler", "gateway")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
@@ -29,6 +29,10 @@ def _serve(args: argparse.Namespace) -> int:
     from services.common.server import Service
 
     service: Service
+    if args.role == "gateway":
+        from gateway.server import main as serve_gateway
+
+        return serve_gateway(flags.gateway_config(args), args.log_level)
     if args.role == "scheduler":
         from services.scheduler.service import Scheduler
 
@@ -54,10 +58,12 @@ def _up(args: argparse.Namespace) -> int:
               "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    gateway = ["--model", args.model, "--api-key", args.api_key]
     spec = ClusterSpec(
         prefill=args.prefill, decode=args.decode, host=args.host,
-        scheduler_port=args.scheduler_port, redis_url=args.redis_url, cluster=args.cluster,
-        serve_args={"prefill": worker, "decode": worker,
+        scheduler_port=args.scheduler_port, gateway_port=args.port, redis_url=args.redis_url,
+        cluster=args.cluster,
+        serve_args={"prefill": worker, "decode": worker, "gateway": gateway,
                     "scheduler": ["--routing-policy", args.routing_policy]},
     )  # fmt: skip
     return run(spec)
@@ -93,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
     flags.add(up, "--routing-policy", "least_loaded", "scheduler routing policy")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
+    flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
+    flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
     flags.add(up, "--scheduler-port", 50051, "the scheduler's gRPC port")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
@@ -104,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     for role in ROLES:
         p = roles.add_parser(role, help=f"the {role} service")
+        if role == "gateway":
+            flags.add_gateway_flags(p)
+            continue
         flags.add_service_flags(p)
         if role == "scheduler":
             flags.add_scheduler_flags(p)

@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import Any
 
+from gateway.backend import GatewayConfig
 from services.common.config import ServiceConfig
 from services.common.worker import WorkerConfig
 from services.engine import EngineConfig
@@ -75,6 +76,25 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-attempts", d.max_attempts, "tries per stage before a request fails")
     add(p, "--retry-backoff", d.retry_backoff_s, "first retry's backoff in seconds")
     add(p, "--refresh", d.refresh_s, "seconds between reads of the cluster state")
+
+
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    d = GatewayConfig()
+    add(p, "--model", d.model, "preset or checkpoint directory (tokenizer, chat template)")
+    add(p, "--served-model-name", d.served_model_name, "the name clients ask for (default: model)")
+    add(p, "--scheduler", d.scheduler, "the scheduler's gRPC address")
+    add(p, "--host", d.host, "HTTP bind address")
+    add(p, "--port", d.port, "HTTP port of the OpenAI API")
+    add(p, "--api-key", d.api_key, "require `Authorization: Bearer KEY` ('' : no auth)")
+    add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
+    add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=args.model, served_model_name=args.served_model_name, scheduler=args.scheduler,
+        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+    )  # fmt: skip
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,6 +41,7 @@ class ClusterSpec:
     decode: int = 1
     host: str = "127.0.0.1"
     scheduler_port: int = 50051
+    gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
     redis_url: str = ""  # "": start a private redis-server
     cluster: str = "default"
     startup_timeout_s: float = 180.0
@@ -66,6 +68,8 @@ class Launcher:
             self._spawn("decode", f"decode-{i}")
         self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
         self._wait_healthy()
+        if s.gateway_port:
+            self._spawn_gateway()
 
     def _spawn(self, role: str, name: str, port: int = 0) -> None:
         port = port or free_port(self.spec.host)
@@ -76,6 +80,23 @@ class Launcher:
                *self.spec.serve_args.get(role, [])]  # fmt: skip
         proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         self.children.append(Child(name, role, f"{self.spec.host}:{port}", metrics_port, proc))
+
+    def _spawn_gateway(self) -> None:
+        s = self.spec
+        cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--host", s.host,
+               "--port", str(s.gateway_port), "--scheduler", f"{s.host}:{s.scheduler_port}",
+               *s.serve_args.get("gateway", [])]  # fmt: skip
+        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+        child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc)
+        self.children.append(child)
+        url = f"http://{child.address}/health"
+        deadline = time.monotonic() + s.startup_timeout_s
+        while not _http_ok(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with code {proc.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway not healthy at {url}")
+            time.sleep(0.2)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -94,7 +115,7 @@ class Launcher:
 
     def _wait_scheduler_sees_workers(self, deadline: float) -> None:
         """Ready means servable: the scheduler's view holds every worker we started."""
-        workers = {c.name for c in self.children if c.role != "scheduler"}
+        workers = {c.name for c in self.children if c.role in ("prefill", "decode")}
         for sched in (c for c in self.children if c.role == "scheduler"):
             with grpc.insecure_channel(sched.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -109,6 +130,10 @@ class Launcher:
     def describe(self) -> str:
         lines = [f"  redis      {self.redis_url}" + ("  (private)" if self.redis else "")]
         for c in self.children:
+            if c.role == "gateway":
+                lines.append(f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
+                             "/metrics)")  # fmt: skip
+                continue
             lines.append(f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
                          f"{c.metrics_port}/metrics")  # fmt: skip
         return "\n".join(lines)
@@ -135,8 +160,9 @@ class Launcher:
     def _fatal(self) -> str:
         if self.redis is not None and self.redis.poll() is not None:
             return "redis-server exited"
-        for role in ("scheduler", "prefill", "decode"):
-            if all(c.proc.poll() is not None for c in self.children if c.role == role):
+        for role in ("gateway", "scheduler", "prefill", "decode"):
+            procs = [c.proc for c in self.children if c.role == role]
+            if procs and all(p.poll() is not None for p in procs):
                 return f"no {role} is left"
         return ""
 
@@ -145,7 +171,7 @@ class Launcher:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the scheduler, then the workers, then redis; SIGKILL what does not exit."""
-        for group in (["scheduler"], ["prefill", "decode"]):
+        for group in (["gateway"], ["scheduler"], ["prefill", "decode"]):
             procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
             _terminate(procs, grace_s)
         if self.redis is not None:
@@ -164,6 +190,14 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
                   file=sys.stderr, flush=True)  # fmt: skip
             p.kill()
             p.wait()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except (OSError, ValueError):
+        return False
 
 
 def _serving(stub: health_pb2_grpc.HealthStub) -> bool:

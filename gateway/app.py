@@ -1,0 +1,273 @@
+"""The OpenAI-compatible REST API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
+``stream``), /v1/models, /health, /metrics.
+
+Requests are validated here for shape (unknown fields, types, n) and by the engine's
+SamplingParams for values (the scheduler answers INVALID_ARGUMENT, which becomes a 400 naming the
+parameter). Text comes from the workers' incremental detokenizer, so streamed deltas add up to the
+non-streamed text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import metrics
+from gateway.backend import Backend, GatewayConfig, Params
+from gateway.errors import OpenAIError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.streams import Choice, merged, usage
+from protos import common_pb2
+
+
+def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
+    backend = backend or Backend(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="Ferry", lifespan=lifespan)
+    app.state.backend = backend
+
+    @app.middleware("http")
+    async def guard(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        endpoint = request.url.path
+        try:
+            _check_size(request, config.max_body_bytes)
+            if endpoint.startswith("/v1/"):
+                _check_key(request, config.api_key)
+            response = await call_next(request)
+        except OpenAIError as e:
+            response = e.response()
+        metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return OpenAIError(400, f"request body is not valid JSON: {err.get('msg')}").response()
+        param = ".".join(loc) or None
+        message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        return OpenAIError(400, message, param=param, code=str(err.get("type"))).response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, why = await backend.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
+                            status_code=200 if ok else 503)  # fmt: skip
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(config)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        backend.check_model(name)
+        return _model_card(config)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        backend.check_model(body.model)
+        ids = backend.encode_prompt(body.prompt)
+        params = _params(body, body.max_tokens, body.logprobs)
+        api = _Completions(backend, body, ids)
+        if body.stream:
+            return _sse(api.stream(params))
+        return JSONResponse(await api.complete(params))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        backend.check_model(body.model)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = backend.encode_chat(messages, body.add_generation_prompt)
+        top = body.top_logprobs or 0 if body.logprobs else None
+        params = _params(body, body.token_limit(), top)
+        api = _Chat(backend, body, ids)
+        if body.stream:
+            return _sse(api.stream(params))
+        return JSONResponse(await api.complete(params))
+
+    return app
+
+
+def _check_size(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and int(length) > limit:
+        raise OpenAIError(413, f"request body of {length} bytes is over the limit of {limit}",
+                          code="request_too_large")  # fmt: skip
+
+
+def _check_key(request: Request, key: str) -> None:
+    if not key:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise OpenAIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                          "authentication_error", code="invalid_api_key")  # fmt: skip
+
+
+def _model_card(config: GatewayConfig) -> dict[str, Any]:
+    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "ferry"}
+
+
+def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> Params:
+    return Params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        seed=body.seed, logprobs=logprobs, stop=body.stops(),
+        stop_token_ids=list(body.stop_token_ids or []), min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+    )  # fmt: skip
+
+
+def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except OpenAIError as e:  # the status line is sent: the error goes in the stream
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+class _Api:
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, backend: Backend, body: _Sampling, prompt_ids: list[int]) -> None:
+        self.backend, self.body, self.prompt_ids = backend, body, prompt_ids
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices = [Choice(i) for i in range(body.n)]
+
+    prefix = ""
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.backend.config.model_name, "choices": choices}  # fmt: skip
+
+    async def complete(self, params: Params) -> dict[str, Any]:
+        async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):
+            self.choices[i].add(chunk)
+        out = self.envelope(self.object, [self.final_choice(c) for c in self.choices])
+        out["usage"] = usage(self.choices, len(self.prompt_ids))
+        return out
+
+    async def stream(self, params: Params) -> AsyncIterator[dict[str, Any]]:
+        for event in self.opening():
+            yield event
+        async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):
+            choice = self.choices[i]
+            choice.add(chunk)
+            yield self.envelope(self.chunk_object, [self.delta(choice, chunk)])
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            event = self.envelope(self.chunk_object, [])
+            event["usage"] = usage(self.choices, len(self.prompt_ids))
+            yield event
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def final_choice(self, c: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def top(self, lp: common_pb2.TokenLogprobs) -> list[tuple[str, float]]:
+        """(token text, logprob) of the top alternatives (the sampled token comes first and is
+        not one of them unless it is also in the top)."""
+        return [(self.backend.token_text(e.token_id), e.logprob) for e in lp.entries[1:]]
+
+
+class _Completions(_Api):
+    object = chunk_object = "text_completion"
+    prefix = "cmpl"
+    body: CompletionRequest
+
+    def logprobs(
+        self, token_ids: list[int], lps: list[common_pb2.TokenLogprobs], offset: int
+    ) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        tokens = [self.backend.token_text(t) for t in token_ids]
+        offsets, at = [], offset
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens, "token_logprobs": [lp.entries[0].logprob for lp in lps],
+                "top_logprobs": [dict(self.top(lp)) for lp in lps], "text_offset": offsets}  # fmt: skip
+
+    def final_choice(self, c: Choice) -> dict[str, Any]:
+        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": self.logprobs(c.token_ids, c.logprobs, 0)}  # fmt: skip
+
+    def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
+        offset = len(c.text) - len(chunk.text)
+        return {"index": c.index, "text": chunk.text, "finish_reason": chunk.finish_reason or None,
+                "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs), offset)}  # fmt: skip
+
+
+class _Chat(_Api):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    prefix = "chatcmpl"
+    body: ChatCompletionRequest
+
+    def logprobs(
+        self, token_ids: list[int], lps: list[common_pb2.TokenLogprobs]
+    ) -> dict[str, Any] | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for t, lp in zip(token_ids, lps, strict=False):
+            text = self.backend.token_text(t)
+            content.append({"token": text, "logprob": lp.entries[0].logprob,
+                            "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                             for s, v in self.top(lp)]})  # fmt: skip
+        return {"content": content}
+
+    def final_choice(self, c: Choice) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": self.logprobs(c.token_ids, c.logprobs)}  # fmt: skip
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.envelope(self.chunk_object, [{"index": c.index, "finish_reason": None,
+                                                   "delta": {"role": "assistant", "content": ""}}])
+                for c in self.choices]  # fmt: skip
+
+    def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
+        return {"index": c.index, "delta": {"content": chunk.text} if chunk.text else {},
+                "finish_reason": chunk.finish_reason or None,
+                "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs))}  # fmt: skip

@@ -1,0 +1,135 @@
+"""What the gateway's APIs share: the model's tokenizer and chat template, and the token stream
+from the scheduler (``Scheduler.Generate``)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.chat_template import ChatTemplate
+from gateway.errors import OpenAIError, from_grpc
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = "tiny"  # preset or checkpoint directory: the tokenizer and chat template
+    served_model_name: str = ""  # the name clients send as `model` (default: model)
+    scheduler: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str = ""  # "" : no authentication
+    max_body_bytes: int = 4 << 20
+    request_timeout_s: float = 600.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class Params:
+    """The sampling fields of one request, before they become a protobuf."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def to_pb(self, index: int = 0) -> common_pb2.SamplingParams:
+        """Choice ``index`` of n: a seeded request gives each choice its own seed."""
+        msg = common_pb2.SamplingParams(stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)  # fmt: skip
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "logprobs"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                setattr(msg, name, value)
+        if self.seed is not None:
+            msg.seed = self.seed + index
+        return msg
+
+
+class Backend:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = load_tokenizer(config.model)
+        self.chat_template = ChatTemplate.for_model(config.model)
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        if self._channel is None:  # created on the server's event loop
+            self._channel = grpc.aio.insecure_channel(self.config.scheduler)
+        return scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+                              f"`{self.config.model_name}`", "not_found_error", "model",
+                              "model_not_found")  # fmt: skip
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        return ids
+
+    def encode_chat(
+        self, messages: list[dict[str, object]], add_generation_prompt: bool
+    ) -> list[int]:
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from e
+        bos = self.chat_template.special.get("bos_token", "")
+        return self.tokenizer.encode(text, add_bos=not (bos and text.startswith(bos)))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def generate(
+        self, prompt_ids: list[int], params: common_pb2.SamplingParams, request_id: str = ""
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        """The scheduler's token stream; a gRPC error becomes an OpenAIError. Closing the
+        iterator (a client that went away) cancels the request upstream."""
+        req = scheduler_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
+                                            prompt_token_ids=prompt_ids, sampling_params=params)  # fmt: skip
+        call = self.stub.Generate(req, timeout=self.config.request_timeout_s)
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e.code(), e.details() or "") from e
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def ready(self) -> tuple[bool, str]:
+        """Ready when the scheduler answers and sees a prefill and a decode worker."""
+        try:
+            reply = await self.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=2)
+        except grpc.aio.AioRpcError as e:
+            return False, f"scheduler at {self.config.scheduler}: {e.code().name}"
+        roles = {w.info.role for w in reply.workers}
+        missing = [r for r in ("prefill", "decode") if r not in roles]
+        if missing:
+            return False, f"no {' and no '.join(missing)} worker registered"
+        return True, "ok"

@@ -1,0 +1,54 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and how the
+scheduler's gRPC statuses become HTTP ones."""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+# Field names the engine's validation messages start with ("temperature must be >= 0, ..."):
+# the gateway reports them as the error's ``param``.
+PARAMS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "stop",
+          "stop_token_ids", "n")  # fmt: skip
+
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+RETRY_AFTER_S = 1
+
+
+class OpenAIError(Exception):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_grpc(code: grpc.StatusCode, details: str) -> OpenAIError:
+    status, kind = _HTTP.get(code, (500, "internal_error"))
+    param = next((p for p in PARAMS if details.startswith(p + " ")), None)
+    if param is None and details.startswith(("prompt", "prompt_token_ids")):
+        param = "prompt"
+    return OpenAIError(status, details, kind, param, code.name.lower())

@@ -1,0 +1,70 @@
+"""The OpenAI request bodies the gateway accepts (pydantic). Unknown fields are refused (400), so
+that a misspelled parameter is not silently ignored. Range checks live in the engine's
+SamplingParams and come back from the scheduler as INVALID_ARGUMENT; here only the shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def token_limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )

@@ -1,0 +1,223 @@
+"""The OpenAI REST API end to end: the official `openai` client against a real `ferry up`
+cluster (redis-server, prefill, decode, scheduler and gateway processes)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from infra.redis_server import free_port
+from services.engine.tokenizer import load_tokenizer
+from tests.cluster import Cluster, ferry_up
+from tests.helpers import make_hf_checkpoint
+from tests.redis_server import redis_server
+
+WORKER_ARGS = "--block-size 16 --verify-checksum"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=5, lm_head_scale=20.0)
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint: Path) -> Iterator[Cluster]:
+    with redis_server() as redis, ferry_up(redis.url, "--model", str(checkpoint),
+                                           "--num-kv-blocks", "256", "--worker-args",
+                                           WORKER_ARGS, cluster="gw") as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.gateway + "/v1", api_key="unused", max_retries=0)
+
+
+def model_of(checkpoint: Path) -> str:
+    return str(checkpoint)
+
+
+def test_completion_text_and_usage_match_the_tokens(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    prompt = "The ferry crosses the"
+    out = client.completions.create(model=model_of(checkpoint), prompt=prompt, max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    tok = load_tokenizer(checkpoint)
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and out.usage is not None
+    assert out.usage.prompt_tokens == len(tok.encode(prompt))
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert choice.text and isinstance(choice.text, str)
+
+
+def test_streamed_deltas_concatenate_to_the_whole_text(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    kw = {"model": model_of(checkpoint), "prompt": "Stream me some text", "max_tokens": 20,
+          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kw))  # type: ignore[call-overload]  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_streaming_and_not(client: openai.OpenAI, checkpoint: Path) -> None:
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say something."}]  # fmt: skip
+    kw = {"model": model_of(checkpoint), "messages": messages, "max_completion_tokens": 10,
+          "temperature": 0}  # fmt: skip
+    out = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage is not None and 1 <= out.usage.completion_tokens <= 10
+    deltas = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
+
+
+def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
+    kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
+          "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    first = client.completions.create(**kw)  # type: ignore[call-overload]
+    second = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 16  # type: ignore[union-attr]
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: Path) -> None:
+    kw = {"model": model_of(checkpoint), "prompt": "Count:", "max_tokens": 24, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    free = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    stop = free[5:7]
+    assert len(stop) == 2
+    out = client.completions.create(stop=[stop], **kw).choices[0]  # type: ignore[call-overload]
+    assert out.finish_reason == "stop" and out.text == free[: free.index(stop)]
+
+
+def test_models_health_and_metrics(
+    cluster: Cluster, client: openai.OpenAI, checkpoint: Path
+) -> None:
+    assert [m.id for m in client.models.list()] == [model_of(checkpoint)]
+    with urllib.request.urlopen(cluster.gateway + "/health", timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    with urllib.request.urlopen(cluster.gateway + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert "ferry_gateway_time_to_first_token_seconds_count" in text
+    assert "ferry_gateway_inter_token_latency_seconds_count" in text
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "param"),
+    [
+        ({"model": "no-such-model"}, openai.NotFoundError, "model"),
+        ({"temperature": -1.0}, openai.BadRequestError, "temperature"),
+        ({"top_p": 3.0}, openai.BadRequestError, "top_p"),
+        ({"max_tokens": 0}, openai.BadRequestError, "max_tokens"),
+        ({"n": 99}, openai.BadRequestError, "n"),
+        ({"prompt": "x" * 2000}, openai.BadRequestError, "prompt"),
+        ({"extra_body": {"not_a_field": 1}}, openai.BadRequestError, "not_a_field"),
+    ],
+)
+def test_errors_raise_the_matching_openai_exception(
+    client: openai.OpenAI, checkpoint: Path, kw: dict[str, object], error: type, param: str
+) -> None:
+    args: dict[str, object] = {"model": model_of(checkpoint), "prompt": "hi", "max_tokens": 4}
+    args.update(kw)
+    with pytest.raises(error) as info:
+        client.completions.create(**args)  # type: ignore[call-overload]
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == param, body
+    assert body["message"]
+
+
+def _post(url: str, data: bytes) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url + "/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_malformed_json_is_400(cluster: Cluster) -> None:
+    status, body = _post(cluster.gateway, b'{"model": "m", "prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]  # type: ignore[index]
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(
+    cluster: Cluster, client: openai.OpenAI, checkpoint: Path
+) -> None:
+    stream = client.completions.create(model=model_of(checkpoint), prompt="Long one", stream=True,
+                                       max_tokens=800, extra_body={"ignore_eos": True})  # fmt: skip
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    cluster.wait_for("blocks free after disconnect", cluster.all_blocks_free, 10)
+
+
+def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--port", str(port),
+           "--scheduler", scheduler, "--model", model, *extra]  # fmt: skip
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=1).close()
+            return proc, url
+        except urllib.error.HTTPError:
+            return proc, url  # it answers (401 with a key)
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "gateway did not start"
+            time.sleep(0.2)
+
+
+def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
+    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--api-key", "sesame",
+                         "--max-body-bytes", "1000")  # fmt: skip
+    try:
+        status, body = _post(url, b"x" * 4000)  # refused before it is read or parsed
+        assert status == 413 and body["error"]["code"] == "request_too_large"  # type: ignore[index]
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        out = good.completions.create(model=str(checkpoint), prompt="ok", max_tokens=2)
+        assert out.usage is not None and out.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+
+def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
+    proc, url = _gateway(f"127.0.0.1:{free_port()}", str(checkpoint))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url + "/health", timeout=5)
+        assert info.value.code == 503
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            c.completions.create(model=str(checkpoint), prompt="hi", max_tokens=2)
+        assert err.value.status_code == 503
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
