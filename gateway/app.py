@@ -31,12 +31,14 @@ from protos import common_pb2
 
 
 def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
+    owned = backend is None
     backend = backend or Backend(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        await backend.close()
+        if owned:  # else its owner closes it
+            await backend.close()
 
     app = FastAPI(title="Ferry", lifespan=lifespan)
     app.state.backend = backend

@@ -22,6 +22,7 @@ class GatewayConfig:
     scheduler: str = "127.0.0.1:50051"
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = 50051  # the public gRPC API (ferry.v1.Ferry); -1: off, 0: any free port
     api_key: str = ""  # "" : no authentication
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0

@@ -27,15 +27,24 @@ _HTTP = {
 RETRY_AFTER_S = 1
 
 
+_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+         404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+         429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
+
+
 class OpenAIError(Exception):
+    """An error for a client of either API: ``status`` for HTTP, ``grpc_code`` for gRPC."""
+
     def __init__(
         self, status: int, message: str, type: str = "invalid_request_error",
         param: str | None = None, code: str | None = None,
+        grpc_code: grpc.StatusCode | None = None,
     ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code,
         )  # fmt: skip
+        self.grpc_code = grpc_code or _GRPC.get(status, grpc.StatusCode.INTERNAL)
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -51,4 +60,4 @@ def from_grpc(code: grpc.StatusCode, details: str) -> OpenAIError:
     param = next((p for p in PARAMS if details.startswith(p + " ")), None)
     if param is None and details.startswith(("prompt", "prompt_token_ids")):
         param = "prompt"
-    return OpenAIError(status, details, kind, param, code.name.lower())
+    return OpenAIError(status, details, kind, param, code.name.lower(), grpc_code=code)

@@ -1,23 +1,43 @@
-"""``ferry serve gateway``: the REST API on uvicorn (graceful on SIGTERM / SIGINT)."""
+"""``ferry serve gateway``: the REST API (uvicorn) and the public gRPC API on one event loop.
+SIGTERM / SIGINT stop both gracefully: uvicorn finishes its requests, then gRPC gets its grace."""
 
 from __future__ import annotations
+
+import asyncio
 
 import uvicorn
 
 from gateway.app import create_app
-from gateway.backend import GatewayConfig
+from gateway.backend import Backend, GatewayConfig
+from gateway.grpc_api import start_grpc
 from services.common.log import configure_logging, get_logger
 
 log = get_logger(__name__)
+GRACE_S = 5.0
+
+
+async def serve(config: GatewayConfig, log_level: str = "info") -> None:
+    backend = Backend(config)
+    app = create_app(config, backend)
+    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                         log_level=log_level, access_log=False,
+                                         timeout_graceful_shutdown=int(GRACE_S)))  # fmt: skip
+    grpc_server = None
+    if config.grpc_port >= 0:
+        grpc_server, grpc_port = await start_grpc(backend, config.host, config.grpc_port)
+        log.info("serving", role="gateway", grpc=f"{config.host}:{grpc_port}")
+    log.info("serving", role="gateway", http=f"{config.host}:{config.port}",
+             model=config.model_name, scheduler=config.scheduler)  # fmt: skip
+    try:
+        await http.serve()  # returns on SIGTERM / SIGINT (uvicorn's handlers)
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(GRACE_S)
+        await backend.close()
+    log.info("stopped")
 
 
 def main(config: GatewayConfig, log_level: str = "info") -> int:
     configure_logging("gateway", f"gateway-{config.port}", log_level)
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level=log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))  # fmt: skip
-    log.info("serving", role="gateway", address=f"{config.host}:{config.port}",
-             model=config.model_name, scheduler=config.scheduler)  # fmt: skip
-    server.run()
+    asyncio.run(serve(config, log_level))
     return 0

@@ -61,7 +61,8 @@ def _up(args: argparse.Namespace) -> int:
     gateway = ["--model", args.model, "--api-key", args.api_key]
     spec = ClusterSpec(
         prefill=args.prefill, decode=args.decode, host=args.host,
-        scheduler_port=args.scheduler_port, gateway_port=args.port, redis_url=args.redis_url,
+        scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
+        redis_url=args.redis_url,
         cluster=args.cluster,
         serve_args={"prefill": worker, "decode": worker, "gateway": gateway,
                     "scheduler": ["--routing-policy", args.routing_policy]},
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
-    flags.add(up, "--scheduler-port", 50051, "the scheduler's gRPC port")
+    flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")
+    flags.add(up, "--scheduler-port", 0, "the scheduler's gRPC port (0: any free port)")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")

@@ -85,6 +85,7 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--scheduler", d.scheduler, "the scheduler's gRPC address")
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
+    add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
     add(p, "--api-key", d.api_key, "require `Authorization: Bearer KEY` ('' : no auth)")
     add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
     add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
@@ -93,7 +94,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         model=args.model, served_model_name=args.served_model_name, scheduler=args.scheduler,
-        host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
     )  # fmt: skip
 
 

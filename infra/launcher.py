@@ -40,8 +40,9 @@ class ClusterSpec:
     prefill: int = 1
     decode: int = 1
     host: str = "127.0.0.1"
-    scheduler_port: int = 50051
+    scheduler_port: int = 0  # 0: any free port
     gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
+    grpc_port: int = 50051  # the gateway's public gRPC API
     redis_url: str = ""  # "": start a private redis-server
     cluster: str = "default"
     startup_timeout_s: float = 180.0
@@ -83,9 +84,10 @@ class Launcher:
 
     def _spawn_gateway(self) -> None:
         s = self.spec
+        scheduler = next(c.address for c in self.children if c.role == "scheduler")
         cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--host", s.host,
-               "--port", str(s.gateway_port), "--scheduler", f"{s.host}:{s.scheduler_port}",
-               *s.serve_args.get("gateway", [])]  # fmt: skip
+               "--port", str(s.gateway_port), "--grpc-port", str(s.grpc_port),
+               "--scheduler", scheduler, *s.serve_args.get("gateway", [])]  # fmt: skip
         proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc)
         self.children.append(child)
@@ -132,7 +134,8 @@ class Launcher:
         for c in self.children:
             if c.role == "gateway":
                 lines.append(f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
-                             "/metrics)")  # fmt: skip
+                             f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
+                             "(ferry.v1.Ferry)")  # fmt: skip
                 continue
             lines.append(f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
                          f"{c.metrics_port}/metrics")  # fmt: skip

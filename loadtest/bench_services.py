@@ -100,6 +100,7 @@ def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     threads = ["--torch-threads", str(args.worker_threads)]
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, scheduler_port=free_port(),
+                       gateway_port=0,
                        cluster="bench", serve_args={"prefill": [*worker, *threads],
                                                     "decode": [*worker, *threads],
                                                     "scheduler": ["--log-level", "warning"]})  # fmt: skip

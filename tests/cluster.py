@@ -26,6 +26,7 @@ class Cluster:
     scheduler: str  # host:port
     cluster: str
     gateway: str = ""  # http://host:port of the OpenAI API
+    grpc: str = ""  # host:port of the public gRPC API
     pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid, read once at start
 
     def views(self, role: str | None = None) -> list[WorkerView]:
@@ -62,9 +63,10 @@ class Cluster:
 def ferry_up(
     redis_url: str, *args: str, cluster: str = "test", timeout: float = 180.0
 ) -> Iterator[Cluster]:
-    port, http = free_port(), free_port()
+    port, http, public = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "infra.cli", "up", "--redis-url", redis_url,
-           "--scheduler-port", str(port), "--port", str(http), "--cluster", cluster, *args]  # fmt: skip
+           "--scheduler-port", str(port), "--port", str(http), "--grpc-port", str(public),
+           "--cluster", cluster, *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -76,7 +78,14 @@ def ferry_up(
             if "ferry up: ready" in line:
                 break
             assert time.monotonic() < deadline, "ferry up was not ready in time"
-        c = Cluster(proc, redis_url, f"127.0.0.1:{port}", cluster, f"http://127.0.0.1:{http}")
+        c = Cluster(
+            proc,
+            redis_url,
+            f"127.0.0.1:{port}",
+            cluster,
+            f"http://127.0.0.1:{http}",
+            f"127.0.0.1:{public}",
+        )
         c.pids = {v.record.worker_id: v.record.pid for v in c.views()}
         yield c
     finally:

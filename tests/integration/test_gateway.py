@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.sdk import AuthenticationError, FerryClient
 from infra.redis_server import free_port
 from services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
@@ -23,6 +24,7 @@ from tests.helpers import make_hf_checkpoint
 from tests.redis_server import redis_server
 
 WORKER_ARGS = "--block-size 16 --verify-checksum"
+_GRPC_PORTS: dict[int, int] = {}  # a test gateway's HTTP port -> its gRPC port
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +176,12 @@ def test_client_disconnect_mid_stream_frees_the_blocks(
 
 
 def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    """A `ferry serve gateway` of its own (its gRPC port is kept in _GRPC_PORTS)."""
+    port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--port", str(port),
-           "--scheduler", scheduler, "--model", model, *extra]  # fmt: skip
+           "--grpc-port", str(grpc_port), "--scheduler", scheduler, "--model", model,
+           *extra]  # fmt: skip
+    _GRPC_PORTS[port] = grpc_port
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -203,6 +208,11 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
         good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
         out = good.completions.create(model=str(checkpoint), prompt="ok", max_tokens=2)
         assert out.usage is not None and out.usage.completion_tokens >= 1
+        grpc_address = f"127.0.0.1:{_GRPC_PORTS[int(url.rsplit(':', 1)[1])]}"
+        with FerryClient(grpc_address, api_key="wrong") as sdk, pytest.raises(AuthenticationError):
+            sdk.models()
+        with FerryClient(grpc_address, api_key="sesame") as sdk:
+            assert sdk.complete("ok", max_tokens=2).usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)

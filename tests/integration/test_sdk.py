@@ -1,0 +1,96 @@
+"""The Python SDK (FerryClient, AsyncFerryClient) against a real `ferry up` cluster, through the
+gateway's public gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gateway.sdk import (
+    AsyncFerryClient,
+    FerryClient,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+from infra.redis_server import free_port
+from services.engine.tokenizer import load_tokenizer
+from tests.cluster import Cluster, ferry_up
+from tests.redis_server import redis_server
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with redis_server() as redis, ferry_up(redis.url, "--num-kv-blocks", "256",
+                                           "--worker-args", "--block-size 16",
+                                           cluster="sdk") as c:  # fmt: skip
+        yield c
+
+
+def test_generate_streams_and_complete_agrees(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        assert [m.id for m in client.models()] == ["tiny"]
+        chunks = list(client.generate("Hello there", max_tokens=12, temperature=0,
+                                      ignore_eos=True))  # fmt: skip
+        done = client.complete("Hello there", max_tokens=12, temperature=0, ignore_eos=True)
+    assert len(chunks) >= 2 and chunks[-1].finish_reason == "length"
+    assert "".join(c.text for c in chunks) == done.text
+    assert [t for c in chunks for t in c.token_ids] == done.token_ids and len(done.token_ids) == 12
+    assert done.usage.prompt_tokens == len(load_tokenizer("tiny").encode("Hello there"))
+    assert done.usage.completion_tokens == 12
+
+
+def test_token_ids_in_and_seeded_sampling(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        a = client.complete([256, 10, 20, 30], max_tokens=8, temperature=1.0, seed=7)
+        b = client.complete([256, 10, 20, 30], max_tokens=8, temperature=1.0, seed=7)
+    assert a.token_ids == b.token_ids and a.usage.prompt_tokens == 4
+
+
+def test_errors_are_typed_with_the_server_message(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        with pytest.raises(InvalidRequestError, match="temperature must be >= 0") as info:
+            client.complete("x", max_tokens=4, temperature=-2.0)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(NotFoundError, match="does not exist"):
+            client.complete("x", model="gpt-9", max_tokens=4)
+        with pytest.raises(TypeError, match="unknown sampling parameter"):
+            client.complete("x", max_tokenz=4)
+
+
+def test_unavailable_is_retried_then_raised() -> None:
+    with FerryClient(f"127.0.0.1:{free_port()}", max_retries=2, retry_backoff=0.1,
+                     timeout=5) as client:  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(UnavailableError):
+            client.complete("x", max_tokens=2)
+        assert time.monotonic() - started >= 0.3  # backoff 0.1 + 0.2: it did retry twice
+
+
+def test_breaking_out_of_a_stream_frees_the_blocks(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        for i, _ in enumerate(client.generate("long", max_tokens=800, ignore_eos=True)):
+            if i == 5:
+                break
+    cluster.wait_for("blocks free after break", cluster.all_blocks_free, 10)
+
+
+def test_async_client_streams_concurrently_and_cancels(cluster: Cluster) -> None:
+    async def main() -> list[str]:
+        async with AsyncFerryClient(cluster.grpc) as client:
+            assert [m.id for m in await client.models()] == ["tiny"]
+            done = await asyncio.gather(*(client.complete(f"prompt {i}", max_tokens=6,
+                                                          temperature=0, ignore_eos=True)
+                                          for i in range(4)))  # fmt: skip
+            stream = client.generate("long", max_tokens=800, ignore_eos=True)
+            async for _ in stream:
+                break
+            await stream.aclose()
+            return [d.finish_reason for d in done]
+
+    assert asyncio.run(main()) == ["length"] * 4
+    cluster.wait_for("blocks free after async break", cluster.all_blocks_free, 10)
