@@ -169,6 +169,10 @@ class _Api:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = [Choice(i) for i in range(body.n)]
+        self.num_top = self.requested_top()
+
+    def requested_top(self) -> int:
+        return 0
 
     prefix = ""
 
@@ -205,16 +209,26 @@ class _Api:
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
         raise NotImplementedError
 
+    num_top = 0  # how many top alternatives the request asked for
+
     def top(self, lp: common_pb2.TokenLogprobs) -> list[tuple[str, float]]:
-        """(token text, logprob) of the top alternatives (the sampled token comes first and is
-        not one of them unless it is also in the top)."""
-        return [(self.backend.token_text(e.token_id), e.logprob) for e in lp.entries[1:]]
+        """(token text, logprob) of the top alternatives, most likely first. The engine sends
+        the sampled token first, then the top ones without repeating it: n + 1 entries when
+        the sampled token is not among the top n, n when it is."""
+        entries = list(lp.entries)
+        if len(entries) > self.num_top:
+            entries = entries[1:]
+        entries.sort(key=lambda e: -e.logprob)
+        return [(self.backend.token_text(e.token_id), e.logprob) for e in entries]
 
 
 class _Completions(_Api):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
     body: CompletionRequest
+
+    def requested_top(self) -> int:
+        return self.body.logprobs or 0
 
     def logprobs(
         self, token_ids: list[int], lps: list[common_pb2.TokenLogprobs], offset: int
@@ -244,6 +258,9 @@ class _Chat(_Api):
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
     body: ChatCompletionRequest
+
+    def requested_top(self) -> int:
+        return self.body.top_logprobs or 0
 
     def logprobs(
         self, token_ids: list[int], lps: list[common_pb2.TokenLogprobs]

@@ -112,6 +112,26 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: 
     assert out.finish_reason == "stop" and out.text == free[: free.index(stop)]
 
 
+def test_logprobs_in_both_apis(client: openai.OpenAI, checkpoint: Path) -> None:
+    out = client.completions.create(model=model_of(checkpoint), prompt="Log", max_tokens=5,
+                                    temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens or []) == 5 and len(lp.token_logprobs or []) == 5
+    # keyed by token text: byte tokens that are not UTF-8 on their own share "\ufffd"
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs or [])
+    # greedy: the sampled token is the most likely one
+    for sampled, top in zip(lp.token_logprobs or [], lp.top_logprobs or [], strict=True):
+        assert sampled <= 0 and sampled >= max(top.values()) - 1e-5
+    chat = client.chat.completions.create(model=model_of(checkpoint), max_tokens=4,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          temperature=0, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content), content
+
+
 def test_models_health_and_metrics(
     cluster: Cluster, client: openai.OpenAI, checkpoint: Path
 ) -> None:
@@ -231,3 +251,22 @@ def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_a_full_cluster_is_429_with_retry_after(checkpoint: Path) -> None:
+    """One decode slot (--max-num-seqs 1): while a long stream holds it, another request is
+    refused by the decode worker, retried by the scheduler, and ends as 429."""
+    args = ("--model", str(checkpoint), "--num-kv-blocks", "256",
+            "--worker-args", f"{WORKER_ARGS} --max-num-seqs 1")  # fmt: skip
+    with redis_server() as redis, ferry_up(redis.url, *args, cluster="full") as c:
+        client = openai.OpenAI(base_url=c.gateway + "/v1", api_key="x", max_retries=0)
+        holder = client.completions.create(model=str(checkpoint), prompt="hold", stream=True,
+                                           max_tokens=900, extra_body={"ignore_eos": True})  # fmt: skip
+        for i, _ in enumerate(holder):
+            if i == 3:
+                break
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=str(checkpoint), prompt="me too", max_tokens=4)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert "is full" in info.value.message
+        holder.close()

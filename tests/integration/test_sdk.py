@@ -44,6 +44,16 @@ def test_generate_streams_and_complete_agrees(cluster: Cluster) -> None:
     assert done.usage.completion_tokens == 12
 
 
+def test_public_grpc_health_service(cluster: Cluster) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(cluster.grpc) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "ferry.v1.Ferry"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_token_ids_in_and_seeded_sampling(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
         a = client.complete([256, 10, 20, 30], max_tokens=8, temperature=1.0, seed=7)
