@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
 from gateway.backend import Backend, GatewayConfig, Params
+from gateway.body_limit import BodyLimit
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from gateway.streams import Choice, merged, usage
@@ -49,7 +50,6 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     ) -> Response:
         endpoint = request.url.path
         try:
-            _check_size(request, config.max_body_bytes)
             if endpoint.startswith("/v1/"):
                 _check_key(request, config.api_key)
             response = await call_next(request)
@@ -57,6 +57,9 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             response = e.response()
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
         return response
+
+    # added last, so outermost: a body over the limit is refused before anything else runs
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -114,13 +117,6 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         return JSONResponse(await api.complete(params))
 
     return app
-
-
-def _check_size(request: Request, limit: int) -> None:
-    length = request.headers.get("content-length")
-    if length is not None and int(length) > limit:
-        raise OpenAIError(413, f"request body of {length} bytes is over the limit of {limit}",
-                          code="request_too_large")  # fmt: skip
 
 
 def _check_key(request: Request, key: str) -> None:

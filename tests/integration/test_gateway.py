@@ -16,6 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.chat_template import ChatTemplate
 from gateway.sdk import AuthenticationError, FerryClient
 from infra.redis_server import free_port
 from services.engine.tokenizer import load_tokenizer
@@ -82,11 +83,13 @@ def test_chat_completion_streaming_and_not(client: openai.OpenAI, checkpoint: Pa
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Say something."}]  # fmt: skip
     kw = {"model": model_of(checkpoint), "messages": messages, "max_completion_tokens": 10,
-          "temperature": 0}  # fmt: skip
+          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
     out = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     msg = out.choices[0].message
-    assert msg.role == "assistant" and out.choices[0].finish_reason in ("length", "stop")
-    assert out.usage is not None and 1 <= out.usage.completion_tokens <= 10
+    assert msg.role == "assistant" and out.choices[0].finish_reason == "length"
+    prompt = ChatTemplate.for_model(str(checkpoint)).render(messages)
+    assert out.usage is not None and out.usage.completion_tokens == 10
+    assert out.usage.prompt_tokens == len(load_tokenizer(checkpoint).encode(prompt))
     deltas = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
@@ -169,8 +172,10 @@ def test_errors_raise_the_matching_openai_exception(
 
 
 def _post(url: str, data: bytes) -> tuple[int, dict[str, object]]:
-    req = urllib.request.Request(url + "/v1/completions", data=data,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    if not isinstance(data, bytes):  # an iterable body goes out chunked
+        headers["Transfer-Encoding"] = "chunked"
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -221,6 +226,9 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
                          "--max-body-bytes", "1000")  # fmt: skip
     try:
         status, body = _post(url, b"x" * 4000)  # refused before it is read or parsed
+        assert status == 413 and body["error"]["code"] == "request_too_large"  # type: ignore[index]
+        chunked = iter([b"x" * 600, b"y" * 600])  # no Content-Length: counted as it arrives
+        status, body = _post(url, chunked)  # type: ignore[arg-type]
         assert status == 413 and body["error"]["code"] == "request_too_large"  # type: ignore[index]
         bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
