@@ -187,6 +187,16 @@ def main() -> None:
         choices=["thread", "polling", "blocking"],
         help="ucxx progress mode of both processes (UCXPY_PROGRESS_MODE); default: ucxx's",
     )
+    ap.add_argument(
+        "--runs",
+        default=",".join(f"{t}:{b}" for t, b in RUNS),
+        help="transport:placement pairs to measure (default: all)",
+    )
+    ap.add_argument(
+        "--no-ceilings",
+        action="store_true",
+        help="skip the local copy and ucx_perftest (for quick experiments)",
+    )
     ap.add_argument("--out", default="loadtest/results/kv_transfer.json")
     args = ap.parse_args()
     if args.ucx_progress_mode:  # before ucxx is imported here, and inherited by the exporters
@@ -199,7 +209,8 @@ def main() -> None:
         sizes = [t // BLOCK for t in tokens for _ in range(args.repeats + 1)] + [
             tokens[0] // BLOCK
         ] * (4 * args.concurrent)
-        for transport, blocks in RUNS:
+        runs = [tuple(r.split(":")) for r in args.runs.split(",")]
+        for transport, blocks in runs:
             proc, handles = exporter(transport, layers, dim, dtype, sizes, blocks)
             try:
                 rows = asyncio.run(
@@ -212,6 +223,8 @@ def main() -> None:
                 proc.wait()
             results += [{**r, "layout": name} for r in rows]
             print(f"{name} {transport} {blocks}: {rows}", flush=True)
+        if args.no_ceilings:
+            continue
         results += [{**r, "layout": name} for r in local_copy(layout, tokens, args.repeats)]
         for t in tokens:
             nbytes = t // BLOCK * layout.block_bytes
