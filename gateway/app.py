@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
-from gateway.backend import Backend, GatewayConfig, Params
+from gateway.backend import Backend, GatewayConfig
 from gateway.body_limit import BodyLimit
 from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -132,15 +132,24 @@ def _model_card(config: GatewayConfig) -> dict[str, Any]:
     return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "ferry"}
 
 
-def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> Params:
-    return Params(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        seed=body.seed, logprobs=logprobs, stop=body.stops(),
-        stop_token_ids=list(body.stop_token_ids or []), min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-    )  # fmt: skip
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed")  # fmt: skip
+
+
+def _params(
+    body: _Sampling, max_tokens: int | None, logprobs: int | None
+) -> common_pb2.SamplingParams:
+    """The request's sampling fields; unset ones stay unset (the engine's defaults apply)."""
+    msg = common_pb2.SamplingParams(stop=body.stops(), stop_token_ids=body.stop_token_ids or [],
+                                    min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)  # fmt: skip
+    for name in _SAMPLING_FIELDS:
+        if (value := getattr(body, name)) is not None:
+            setattr(msg, name, value)
+    if max_tokens is not None:
+        msg.max_tokens = max_tokens
+    if logprobs is not None:
+        msg.logprobs = logprobs
+    return msg
 
 
 def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -176,14 +185,14 @@ class _Api:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.backend.config.model_name, "choices": choices}  # fmt: skip
 
-    async def complete(self, params: Params) -> dict[str, Any]:
+    async def complete(self, params: common_pb2.SamplingParams) -> dict[str, Any]:
         async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):
             self.choices[i].add(chunk)
         out = self.envelope(self.object, [self.final_choice(c) for c in self.choices])
         out["usage"] = usage(self.choices, len(self.prompt_ids))
         return out
 
-    async def stream(self, params: Params) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, params: common_pb2.SamplingParams) -> AsyncIterator[dict[str, Any]]:
         for event in self.opening():
             yield event
         async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -32,37 +32,14 @@ class GatewayConfig:
         return self.served_model_name or self.model
 
 
-@dataclass
-class Params:
-    """The sampling fields of one request, before they become a protobuf."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    min_tokens: int = 0
-    ignore_eos: bool = False
-
-    def to_pb(self, index: int = 0) -> common_pb2.SamplingParams:
-        """Choice ``index`` of n: a seeded request gives each choice its own seed."""
-        msg = common_pb2.SamplingParams(stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                        min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)  # fmt: skip
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "logprobs"):  # fmt: skip
-            value = getattr(self, name)
-            if value is not None:
-                setattr(msg, name, value)
-        if self.seed is not None:
-            msg.seed = self.seed + index
-        return msg
+def for_choice(params: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
+    """Choice ``index`` of n: a seeded request gives each choice its own seed (seed + index)."""
+    if index == 0 or not params.HasField("seed"):
+        return params
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(params)
+    out.seed = params.seed + index
+    return out
 
 
 class Backend:

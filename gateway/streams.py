@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway import metrics
-from gateway.backend import Backend, Params
+from gateway.backend import Backend, for_choice
 from protos import common_pb2
 
 
@@ -46,7 +46,7 @@ def usage(choices: list[Choice], num_prompt_tokens: int) -> dict[str, object]:
 
 
 async def merged(
-    backend: Backend, prompt_ids: list[int], params: Params, n: int
+    backend: Backend, prompt_ids: list[int], params: common_pb2.SamplingParams, n: int
 ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
     """Every choice's chunks as they arrive. The first error of any choice ends the whole
     request (the others are cancelled); leaving the iterator early cancels them all."""
@@ -56,7 +56,7 @@ async def merged(
 
     async def pump(i: int) -> None:
         try:
-            async for chunk in backend.generate(prompt_ids, params.to_pb(i), f"{rid}-{i}"):
+            async for chunk in backend.generate(prompt_ids, for_choice(params, i), f"{rid}-{i}"):
                 await queue.put((i, chunk))
             await queue.put((i, None))
         except Exception as e:  # any failure of one choice is handed to the reader

@@ -42,6 +42,17 @@ class Cluster:
     def signal(self, worker_id: str, sig: signal.Signals) -> None:
         os.kill(self.pids[worker_id], sig)
 
+    @contextmanager
+    def stopped(self, *worker_ids: str) -> Iterator[None]:
+        """SIGSTOP the workers for the block (SIGCONT after, whatever happens)."""
+        for w in worker_ids:
+            self.signal(w, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for w in worker_ids:
+                self.signal(w, signal.SIGCONT)
+
     def wait_for(self, what: str, ok: object, timeout: float) -> float:
         """Poll ``ok()`` until true; returns the seconds it took (fails after ``timeout``)."""
         started = time.monotonic()

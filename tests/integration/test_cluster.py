@@ -92,9 +92,7 @@ def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
     """With every decode worker stopped, the first token still reaches the client."""
 
     async def main() -> tuple[float, Result]:
-        for w in ("decode-0", "decode-1"):
-            cluster_a.signal(w, signal.SIGSTOP)
-        try:
+        with cluster_a.stopped("decode-0", "decode-1"):
             async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
                 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -104,9 +102,6 @@ def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
                 started = time.monotonic()
                 first = await asyncio.wait_for(call.read(), 2.0)
                 waited = time.monotonic() - started
-        finally:
-            for w in ("decode-0", "decode-1"):
-                cluster_a.signal(w, signal.SIGCONT)
         assert len(first.token_ids) == 1 and not first.finish_reason
         rest = await generate(cluster_a.scheduler, prompts(3)[2], greedy(8, ignore_eos=True))
         return waited, rest
@@ -141,9 +136,7 @@ def test_cancel_between_prefill_and_decode_releases_the_lease(cluster_a: Cluster
     async def main() -> None:
         from protos import scheduler_pb2, scheduler_pb2_grpc
 
-        for w in ("decode-0", "decode-1"):
-            cluster_a.signal(w, signal.SIGSTOP)
-        try:
+        with cluster_a.stopped("decode-0", "decode-1"):
             async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
                 call = stub.Generate(scheduler_pb2.GenerateRequest(
@@ -151,9 +144,6 @@ def test_cancel_between_prefill_and_decode_releases_the_lease(cluster_a: Cluster
                 await asyncio.wait_for(call.read(), 2.0)
                 call.cancel()
                 await asyncio.sleep(0.3)
-        finally:
-            for w in ("decode-0", "decode-1"):
-                cluster_a.signal(w, signal.SIGCONT)
 
     asyncio.run(main())
     cluster_a.wait_for("lease released", cluster_a.all_blocks_free, 5)
