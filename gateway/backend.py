@@ -19,7 +19,7 @@ from services.engine.tokenizer import Tokenizer, load_tokenizer
 class GatewayConfig:
     model: str = "tiny"  # preset or checkpoint directory: the tokenizer and chat template
     served_model_name: str = ""  # the name clients send as `model` (default: model)
-    scheduler: str = "127.0.0.1:50051"
+    scheduler: str = "127.0.0.1:50052"  # where `ferry up` puts it
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051  # the public gRPC API (ferry.v1.Ferry); -1: off, 0: any free port

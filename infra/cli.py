@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
     flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")
-    flags.add(up, "--scheduler-port", 0, "the scheduler's gRPC port (0: any free port)")
+    flags.add(up, "--scheduler-port", 50052, "the scheduler's gRPC port (0: any free port)")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")

@@ -40,7 +40,7 @@ class ClusterSpec:
     prefill: int = 1
     decode: int = 1
     host: str = "127.0.0.1"
-    scheduler_port: int = 0  # 0: any free port
+    scheduler_port: int = 50052  # 0: any free port
     gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
     grpc_port: int = 50051  # the gateway's public gRPC API
     redis_url: str = ""  # "": start a private redis-server
