@@ -23,6 +23,9 @@ class ExpertPlacement:
     # Derived in __post_init__: [L, E, max_replicas] slot ids (padded with -1), [L, E] counts.
     logical_to_slots: torch.Tensor = field(init=False, repr=False, compare=False)
     replica_counts: torch.Tensor = field(init=False, repr=False, compare=False)
+    # The same for the replicas on this rank: [L, E, max_local] slot ids and [L, E] counts.
+    local_to_slots: torch.Tensor = field(init=False, repr=False, compare=False)
+    local_counts: torch.Tensor = field(init=False, repr=False, compare=False)
     is_identity: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,13 @@ class ExpertPlacement:
             for slot, expert in enumerate(s2l[layer].tolist()):
                 table[layer, expert, filled[expert]] = slot
                 filled[expert] += 1
+        start = self.ep_rank * (num_slots // self.ep_size)
+        mine = (table >= start) & (table < start + num_slots // self.ep_size)
+        local_counts = mine.sum(dim=2)
+        # this rank's replicas first in each row (stable sort keeps slot order)
+        local_table = torch.gather(table, 2, torch.argsort((~mine).int(), dim=2, stable=True))
+        object.__setattr__(self, "local_to_slots", local_table)
+        object.__setattr__(self, "local_counts", local_counts)
         object.__setattr__(self, "logical_to_slots", table)
         object.__setattr__(self, "replica_counts", counts)
         identity = num_slots == self.num_logical_experts and bool(
@@ -86,13 +96,18 @@ class ExpertPlacement:
     def select_slots(self, moe_layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Map logical choices [num_tokens, top_k] to physical slots of the same shape.
 
-        A token's choice goes to replica ``token_index % replica_count`` so that the load of a
-        replicated expert is spread evenly over its replicas.
+        A choice goes to a replica on this rank when there is one (no exchange needed), else to
+        any replica; among the candidates, token ``t`` takes number ``t % count``, so that the
+        load of a replicated expert is spread evenly.
         """
         if self.is_identity:
             return topk_ids
-        counts = self.replica_counts[moe_layer].to(topk_ids.device)[topk_ids]
-        token = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
-        replica = token % counts
-        table = self.logical_to_slots[moe_layer].to(topk_ids.device)
-        return table[topk_ids, replica]
+        dev = topk_ids.device
+        token = torch.arange(topk_ids.shape[0], device=dev)[:, None]
+        counts = self.replica_counts[moe_layer].to(dev)[topk_ids]
+        chosen = self.logical_to_slots[moe_layer].to(dev)[topk_ids, token % counts]
+        if self.ep_size == 1:
+            return chosen
+        local_counts = self.local_counts[moe_layer].to(dev)[topk_ids]
+        local = self.local_to_slots[moe_layer].to(dev)[topk_ids, token % local_counts.clamp(min=1)]
+        return torch.where(local_counts > 0, local, chosen)

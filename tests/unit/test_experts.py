@@ -23,9 +23,17 @@ def test_replicas_spread_tokens() -> None:
     assert not p.is_identity
     assert p.replica_counts[0].tolist() == [2, 1, 2, 1]
     assert p.local_slots == range(3, 6) and p.local_experts(0) == [2, 3, 0]
-    slots = p.select_slots(1, torch.full((6, 1), 2))
+    one_rank = ExpertPlacement(slot_to_logical=s2l, num_logical_experts=4)
+    slots = one_rank.select_slots(1, torch.full((6, 1), 2))
     assert sorted(slots.flatten().tolist()) == [2, 2, 4, 4, 5, 5]  # three replicas, evenly
     assert (s2l[1][slots] == 2).all()
+    # rank 1 holds two of expert 2's replicas (slots 4, 5): its tokens stay there, evenly
+    assert sorted(p.select_slots(1, torch.full((6, 1), 2)).flatten().tolist()) == [4, 4, 4, 5, 5, 5]
+    # expert 1 of layer 0 lives only on rank 0 (slot 2): rank 1 sends it there
+    assert p.select_slots(0, torch.full((3, 1), 1)).flatten().tolist() == [2, 2, 2]
+    # rank 0 holds expert 2's replica slot 2 of layer 1, and no other
+    rank0 = ExpertPlacement(slot_to_logical=s2l, num_logical_experts=4, ep_size=2, ep_rank=0)
+    assert rank0.select_slots(1, torch.full((4, 1), 2)).flatten().tolist() == [2, 2, 2, 2]
 
 
 def test_invalid_placements() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.expert_parallel import EPGroup
 from services.engine.experts import ExpertPlacement
 from services.engine.model.config import ModelConfig
 from services.engine.model.forward_batch import ForwardBatch
@@ -70,6 +71,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.model = DeepseekV3Model(config, placement)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config)
+
+    def attach_ep_group(self, group: EPGroup) -> None:
+        """Make this model a rank of a DEP group: its MoE layers exchange tokens with the other
+        ranks (the placement must say the same ep_size and ep_rank)."""
+        p = self.placement
+        if (p.ep_size, p.ep_rank) != (group.size, group.rank):
+            raise ValueError(f"placement is rank {p.ep_rank} of {p.ep_size}, the group says "
+                             f"rank {group.rank} of {group.size}")  # fmt: skip
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.ep_group = group
 
     @property
     def dtype(self) -> torch.dtype:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels as ops
+from services.engine.expert_parallel import EPGroup, combine, dispatch
 from services.engine.experts import ExpertPlacement
 from services.engine.model.config import ModelConfig
 from services.engine.model.forward_batch import DecodeQueries, ForwardBatch, PrefillSpan
@@ -169,6 +170,7 @@ class MoE(nn.Module):
         self.gate = Router(config)
         inter = config.moe_intermediate_size
         self.experts = RoutedExperts(placement.slots_per_rank, config.hidden_size, inter)
+        self.ep_group: EPGroup | None = None  # set by attach_ep_group on a DEP rank
         self.shared_experts = (
             MLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
@@ -188,7 +190,13 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
         )
         slots = self.placement.select_slots(self.moe_layer, ids)
-        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
+        if self.ep_group is None:
+            out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
+        else:  # the slots live on several ranks: send the rows there and back
+            d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)
+            y = ops.fused_moe(d.hidden, self.experts.w13, self.experts.w2, d.weights[:, None],
+                              d.local_slots[:, None])  # fmt: skip
+            out = combine(y, d, self.ep_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -1,0 +1,67 @@
+"""Expert parallelism over real processes: 2 and 4 ranks joined by torch.distributed (gloo on
+127.0.0.1), each holding only its share of the tiny preset's expert slots (with and without
+redundant replicas), give the logits of the single-process model within 1e-5 for prompts of
+their own (data-parallel attention), and an idle rank with no tokens takes part in the exchange.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from infra.redis_server import free_port
+from services.engine.expert_parallel import EPGroup
+from services.engine.experts import ExpertPlacement
+from services.engine.model import load_model, prompt_logits
+
+NUM_EXPERTS, MOE_LAYERS = 16, 3  # the tiny preset: 4 layers, the first dense
+
+
+def placement(size: int, rank: int, redundant: int) -> ExpertPlacement:
+    """Experts round-robin over the slots, plus ``redundant`` replicas of the first experts,
+    shuffled per layer (seeded) so that every layer has its own map."""
+    rows = []
+    for layer in range(MOE_LAYERS):
+        gen = torch.Generator().manual_seed(100 + layer)
+        logical = torch.cat([torch.arange(NUM_EXPERTS), torch.arange(redundant) * 3 % NUM_EXPERTS])
+        rows.append(logical[torch.randperm(len(logical), generator=gen)])
+    return ExpertPlacement(slot_to_logical=torch.stack(rows), num_logical_experts=NUM_EXPERTS,
+                           ep_size=size, ep_rank=rank)  # fmt: skip
+
+
+def prompts_of(rank: int) -> list[list[int]]:
+    return [[(13 * rank + 7 * j + k) % 250 + 1 for k in range(9 + 17 * j + 5 * rank)]
+            for j in range(3)]  # fmt: skip
+
+
+def _rank(rank: int, size: int, master: str, redundant: int) -> None:
+    torch.set_num_threads(1)
+    group = EPGroup.init(size, rank, master, timeout_s=60)
+    try:
+        place = placement(size, rank, redundant)
+        model = load_model("tiny", placement=place)
+        model.attach_ep_group(group)
+        # this rank holds only its slots' weights: the other experts can only be reached by
+        # sending tokens to their ranks
+        assert model.model.layers[1].mlp.experts.w13.shape[0] == place.slots_per_rank
+        reference = load_model("tiny")  # one process, every expert, no exchange
+        with torch.inference_mode():
+            for ids in prompts_of(rank):
+                got, want = prompt_logits(model, ids), prompt_logits(reference, ids)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            # rank 0 is idle in one MoE layer: it sends and receives nothing of its own
+            moe = model.model.layers[1].mlp
+            x = torch.randn(
+                0 if rank == 0 else 5 + rank, 256, generator=torch.Generator().manual_seed(rank)
+            )
+            out = moe(x)
+            torch.testing.assert_close(out, reference.model.layers[1].mlp(x), rtol=0, atol=1e-5)
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize(("size", "redundant"), [(2, 0), (2, 2), (4, 0), (4, 4)])
+def test_dep_ranks_match_one_process(size: int, redundant: int) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    mp.spawn(_rank, args=(size, master, redundant), nprocs=size, join=True)
