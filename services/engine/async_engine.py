@@ -20,6 +20,8 @@ from services.engine.request import ImportedKv, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
+DEP_IDLE_POLL_S = 0.02
+
 
 class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more."""
@@ -155,6 +157,12 @@ class AsyncEngine:
                         or self._aborts
                         or self.engine.has_unfinished_requests()
                     ):
+                        if self.engine.ep_group is not None:
+                            # a DEP rank must join every step of its group, even idle: check
+                            # in at a slow cadence (the step's first collective says if any
+                            # rank has work) instead of sleeping until work arrives here
+                            self._cv.wait(DEP_IDLE_POLL_S)
+                            break
                         self._cv.wait()
                     if self._stopped:
                         break

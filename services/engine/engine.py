@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.config import EngineConfig
+from services.engine.expert_parallel import EPGroup
+from services.engine.experts import ExpertPlacement
 from services.engine.kv_cache import KVCacheManager
 from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
 from services.engine.output_processor import OutputProcessor, make_output
@@ -52,11 +54,21 @@ class EngineLoad:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        placement: ExpertPlacement | None = None,
+        ep_group: EPGroup | None = None,
+    ) -> None:
+        """``placement`` and ``ep_group`` make this engine one rank of a DEP group: it holds
+        only its expert slots, and every step runs in lockstep with the other ranks."""
         self.config = config = config or EngineConfig()
         self.model: DeepseekV3ForCausalLM = load_model(
-            config.model, config.torch_dtype, config.device
+            config.model, config.torch_dtype, config.device, placement
         )
+        self.ep_group = ep_group
+        if ep_group is not None:
+            self.model.attach_ep_group(ep_group)
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -181,6 +193,12 @@ class Engine:
         started = time.perf_counter()
         plan = self.planner.plan()
         self.num_preemptions += len(plan.preempted)
+        if self.ep_group is not None:  # lockstep: every rank steps when any rank has work
+            if not self.ep_group.any(bool(plan)):
+                return []
+            if not plan:  # this rank is idle: it still takes part in every MoE exchange
+                self.model.idle_moe_pass()
+                return []
         if not plan:
             return []
         logits, sampling, forward_s = self._forward(plan)
@@ -237,6 +255,11 @@ class Engine:
         del self.requests[req.request_id]
 
     # ---- offline use ----------------------------------------------------------------------
+    def work_anywhere(self, local: bool) -> bool:
+        """``local``, or on a DEP rank: whether any rank of the group has work (a collective
+        every rank must call)."""
+        return local if self.ep_group is None else self.ep_group.any(local)
+
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -258,7 +281,7 @@ class Engine:
         for rid, ids, p in zip(ids_, token_lists, plist, strict=True):
             self.add_request(rid, ids, p)
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids_):
+        while self.work_anywhere(len(final) < len(ids_)):
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out

@@ -38,6 +38,12 @@ class EPGroup:
                                 rank=rank, timeout=timedelta(seconds=timeout_s))  # fmt: skip
         return cls(rank, size)
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a small collective every rank must call)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -2,6 +2,8 @@
 127.0.0.1), each holding only its share of the tiny preset's expert slots (with and without
 redundant replicas), give the logits of the single-process model within 1e-5 for prompts of
 their own (data-parallel attention), and an idle rank with no tokens takes part in the exchange.
+DEP engines (each rank its own requests, KV cache and batch, stepping in lockstep) give the
+single-process engine's greedy tokens.
 """
 
 from __future__ import annotations
@@ -65,3 +67,33 @@ def _rank(rank: int, size: int, master: str, redundant: int) -> None:
 def test_dep_ranks_match_one_process(size: int, redundant: int) -> None:
     master = f"127.0.0.1:{free_port()}"
     mp.spawn(_rank, args=(size, master, redundant), nprocs=size, join=True)
+
+
+def _engine_rank(rank: int, size: int, master: str, redundant: int) -> None:
+    from services.engine import Engine, EngineConfig, SamplingParams
+
+    torch.set_num_threads(1)
+    group = EPGroup.init(size, rank, master, timeout_s=60)
+    try:
+        config = EngineConfig(model="tiny", block_size=16, num_kv_blocks=128)
+        engine = Engine(config, placement(size, rank, redundant), group)
+        # 16 requests spread over the ranks; lengths differ by rank, so ranks finish at
+        # different steps and then run idle MoE passes while the others still decode
+        mine = [p for i, p in enumerate(all_prompts()) if i % size == rank]
+        params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i + 5 * rank, ignore_eos=True)
+                  for i in range(len(mine))]  # fmt: skip
+        got = [o.token_ids for o in engine.generate(mine, params)]
+        want = [o.token_ids for o in Engine(config).generate(mine, params)]
+        assert got == want
+    finally:
+        group.close()
+
+
+def all_prompts() -> list[list[int]]:
+    return [[(11 * i + 5 * k) % 250 + 1 for k in range(5 + 9 * i)] for i in range(16)]
+
+
+@pytest.mark.parametrize(("size", "redundant"), [(2, 2), (4, 0)])
+def test_dep_engines_give_single_process_greedy_outputs(size: int, redundant: int) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    mp.spawn(_engine_rank, args=(size, master, redundant), nprocs=size, join=True)

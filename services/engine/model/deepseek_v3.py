@@ -83,6 +83,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.ep_group = group
 
+    def idle_moe_pass(self) -> None:
+        """A DEP rank with nothing to run this step: join every MoE layer's exchange with no
+        tokens, in layer order, so that the other ranks' steps can complete."""
+        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(empty)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
