@@ -58,9 +58,12 @@ def _up(args: argparse.Namespace) -> int:
               "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.num_redundant_experts:
+        worker += ["--num-redundant-experts", str(args.num_redundant_experts)]
     gateway = ["--model", args.model, "--api-key", args.api_key]
     spec = ClusterSpec(
-        prefill=args.prefill, decode=args.decode, host=args.host,
+        prefill=args.prefill, decode=args.decode, prefill_dep=args.prefill_dep,
+        decode_dep=args.decode_dep, host=args.host,
         scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url,
         cluster=args.cluster,
@@ -95,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local cluster (redis + all services)")
     flags.add(up, "--prefill", 1, "prefill workers")
     flags.add(up, "--decode", 1, "decode workers")
+    flags.add(up, "--prefill-dep", 1, "> 1: also a prefill DEP group of this many ranks")
+    flags.add(up, "--decode-dep", 1, "> 1: also a decode DEP group of this many ranks")
+    flags.add(up, "--num-redundant-experts", 0, "extra expert slots per MoE layer in a group")
     flags.add(up, "--model", "tiny", "preset (tiny, small) or HF checkpoint directory")
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])

@@ -68,6 +68,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--transfer-timeout", w.transfer_timeout_s, "seconds a KV pull may take")
     add_switch(p, "--verify-checksum", "CRC32-check every KV transfer")
     add(p, "--torch-threads", w.torch_threads, "torch intra-op threads (0: torch's default)")
+    add(p, "--dep-size", w.dep_size, "ranks in this worker's DEP group (1: none)")
+    add(p, "--dep-rank", w.dep_rank, "this worker's rank in its DEP group")
+    add(p, "--dep-master", w.dep_master, "host:port where the group's ranks meet")
+    add(p, "--dep-group", w.dep_group, "the group's name in Redis (default: the master address)")
+    add(p, "--num-redundant-experts", w.num_redundant_experts, "extra expert slots per layer")
+    add(p, "--dep-timeout", w.dep_timeout_s, "seconds before a silent rank fails its group")
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -119,7 +125,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         service=service_config(args), engine=engine, kv_transport=args.kv_transport,
         kv_port=args.kv_port, lease_seconds=args.lease_seconds,
         transfer_timeout_s=args.transfer_timeout, verify_checksum=args.verify_checksum,
-        torch_threads=args.torch_threads,
+        torch_threads=args.torch_threads, dep_size=args.dep_size, dep_rank=args.dep_rank,
+        dep_master=args.dep_master, dep_group=args.dep_group,
+        num_redundant_experts=args.num_redundant_experts, dep_timeout_s=args.dep_timeout,
     )  # fmt: skip
 
 

@@ -39,6 +39,8 @@ class Child:
 class ClusterSpec:
     prefill: int = 1
     decode: int = 1
+    prefill_dep: int = 1  # > 1: also one prefill DEP group of this many ranks
+    decode_dep: int = 1
     host: str = "127.0.0.1"
     scheduler_port: int = 50052  # 0: any free port
     gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
@@ -63,22 +65,27 @@ class Launcher:
             port = free_port(s.host)
             self.redis = start_redis(port, s.host)
             self.redis_url = f"redis://{s.host}:{port}/0"
-        for i in range(s.prefill):
-            self._spawn("prefill", f"prefill-{i}")
-        for i in range(s.decode):
-            self._spawn("decode", f"decode-{i}")
+        for role, count, dep in (("prefill", s.prefill, s.prefill_dep),
+                                 ("decode", s.decode, s.decode_dep)):  # fmt: skip
+            if dep > 1:  # one DEP group of `dep` ranks, besides `count` independent workers
+                master = f"{s.host}:{free_port(s.host)}"
+                for r in range(dep):
+                    self._spawn(role, f"{role}-r{r}", extra=["--dep-size", str(dep), "--dep-rank",
+                                                             str(r), "--dep-master", master])  # fmt: skip
+            for i in range(count):
+                self._spawn(role, f"{role}-{i}")
         self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
         self._wait_healthy()
         if s.gateway_port:
             self._spawn_gateway()
 
-    def _spawn(self, role: str, name: str, port: int = 0) -> None:
+    def _spawn(self, role: str, name: str, port: int = 0, extra: list[str] | None = None) -> None:
         port = port or free_port(self.spec.host)
         metrics_port = free_port(self.spec.host)
         cmd = [sys.executable, "-m", "infra.cli", "serve", role, "--worker-id", name,
                "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
                "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
-               *self.spec.serve_args.get(role, [])]  # fmt: skip
+               *self.spec.serve_args.get(role, []), *(extra or [])]  # fmt: skip
         proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         self.children.append(Child(name, role, f"{self.spec.host}:{port}", metrics_port, proc))
 

@@ -54,11 +54,13 @@ class Cluster:
                 self.signal(w, signal.SIGCONT)
 
     def wait_for(self, what: str, ok: object, timeout: float) -> float:
-        """Poll ``ok()`` until true; returns the seconds it took (fails after ``timeout``)."""
+        """Poll ``ok()`` until true; returns the seconds it took (fails after ``timeout``,
+        saying which workers Redis holds then)."""
         started = time.monotonic()
         while not ok():  # type: ignore[operator]
             if time.monotonic() - started > timeout:
-                raise AssertionError(f"{what}: not within {timeout}s")
+                now = [(v.record.worker_id, v.load) for v in self.views()]
+                raise AssertionError(f"{what}: not within {timeout}s; registry: {now}")
             time.sleep(0.1)
         return time.monotonic() - started
 

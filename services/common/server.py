@@ -29,6 +29,7 @@ class Service:
 
     role: str = ""
     service_names: tuple[str, ...] = ()  # full names, e.g. "ferry.v1.Scheduler"
+    exit_code: int = 0  # set when the service stops itself because it can no longer serve
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -85,7 +86,7 @@ async def serve(config: ServiceConfig, service: Service, stop: asyncio.Event | N
 
 def main(config: ServiceConfig, service: Service) -> int:
     asyncio.run(serve(config, service))
-    return 0
+    return service.exit_code
 
 
 async def abort_with(

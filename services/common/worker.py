@@ -3,7 +3,9 @@ registration and load reports in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +16,10 @@ from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
 from services.common.config import ServiceConfig
 from services.common.log import get_logger
 from services.common.server import Service
-from services.engine import AsyncEngine, EngineConfig
+from services.engine import AsyncEngine, Engine, EngineConfig
+from services.engine.expert_parallel import EPGroup
+from services.engine.experts import ExpertPlacement
+from services.engine.model import model_config
 from services.kv_transfer import LayoutFingerprint, TransferError
 from services.kv_transfer.ucx import stop_service_threads, use_service_defaults
 
@@ -31,12 +36,22 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     verify_checksum: bool = False  # CRC32 every transfer (tests)
     torch_threads: int = 0  # 0: torch's default
+    dep_size: int = 1  # ranks in this worker's DEP group (1: not a group)
+    dep_rank: int = 0
+    dep_master: str = ""  # host:port where rank 0 meets the others
+    dep_group: str = ""  # the group's name in Redis (default: the master's address)
+    num_redundant_experts: int = 0
+    dep_timeout_s: float = 10.0  # a rank silent this long fails its group's collectives
 
     def __post_init__(self) -> None:
         if self.lease_seconds <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_seconds and transfer_timeout_s must be positive")
         if self.torch_threads < 0:
             raise ValueError("torch_threads must be >= 0")
+        if self.dep_size < 1 or not 0 <= self.dep_rank < self.dep_size:
+            raise ValueError(f"dep_rank {self.dep_rank} outside 0..{self.dep_size - 1}")
+        if self.dep_size > 1 and not self.dep_master:
+            raise ValueError("a DEP group (dep_size > 1) needs dep_master host:port")
 
 
 class EngineWorker(Service):
@@ -48,10 +63,29 @@ class EngineWorker(Service):
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.worker_id = config.service.name_for(self.role)
-        self.engine = AsyncEngine(config.engine)
+        self.engine = AsyncEngine(self._engine(config))
         svc = config.service
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.kv_address = ""
+        self._watch: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _engine(config: WorkerConfig) -> Engine:
+        """The engine; on a DEP rank, after joining the group (blocks until every rank is up)."""
+        if config.dep_size == 1:
+            return Engine(config.engine)
+        group = EPGroup.init(config.dep_size, config.dep_rank, config.dep_master,
+                             config.dep_timeout_s)  # fmt: skip
+        mc = model_config(config.engine.model)
+        placement = ExpertPlacement.spread(mc.num_moe_layers, mc.n_routed_experts,
+                                           config.dep_size, config.dep_rank,
+                                           config.num_redundant_experts)  # fmt: skip
+        return Engine(config.engine, placement, group)
+
+    @property
+    def dep_group(self) -> str:
+        c = self.config
+        return (c.dep_group or c.dep_master) if c.dep_size > 1 else ""
 
     @property
     def layout(self) -> LayoutFingerprint:
@@ -68,8 +102,20 @@ class EngineWorker(Service):
             model_fingerprint=eng.model_fingerprint, max_model_len=eng.max_model_len,
             block_size=eng.kv.block_size, num_kv_blocks=eng.kv.num_blocks,
             metrics_port=metrics_port, pid=os.getpid(), started_at=time.time(),
+            dep_group=self.dep_group, dep_rank=self.config.dep_rank if self.dep_group else -1,
         )  # fmt: skip
         await self.cluster.register(record, self.load_report)
+        self._watch = asyncio.create_task(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        """A dead engine (a DEP peer that stopped answering fails every collective) cannot
+        serve again: leave the registry at once and stop, with a non-zero exit code."""
+        while self.engine.error is None:
+            await asyncio.sleep(0.2)
+        log.error("engine failed; leaving the cluster", error=repr(self.engine.error))
+        await self.cluster.deregister()
+        self.exit_code = 1
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's graceful stop
 
     def load_report(self) -> LoadReport:
         load = self.engine.load
@@ -85,6 +131,8 @@ class EngineWorker(Service):
 
     async def close(self) -> None:
         """Subclasses close their transports first, then call this."""
+        if self._watch is not None:
+            self._watch.cancel()
         await self.cluster.close()
         self.engine.shutdown()
         stop_service_threads()

@@ -57,6 +57,12 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the step loop died (it serves nothing more), or None while it runs."""
+        with self._cv:
+            return self._error
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

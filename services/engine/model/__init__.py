@@ -11,7 +11,13 @@ from services.engine.experts import ExpertPlacement
 from services.engine.model.config import ConfigError, ModelConfig, RopeScaling
 from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from services.engine.model.forward_batch import AttentionPath, ForwardBatch
-from services.engine.model.loader import LoaderError, export_preset, load_checkpoint, load_preset
+from services.engine.model.loader import (
+    LoaderError,
+    export_preset,
+    load_checkpoint,
+    load_preset,
+    read_config,
+)
 from services.engine.model.presets import PRESETS
 
 
@@ -30,6 +36,13 @@ def load_model(
             f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
         )
     return load_checkpoint(path, dtype, device, placement)
+
+
+def model_config(source: str | Path) -> ModelConfig:
+    """The ModelConfig of a preset or a checkpoint directory, without loading weights."""
+    if isinstance(source, str) and source in PRESETS:
+        return PRESETS[source].config
+    return read_config(Path(source))
 
 
 @torch.inference_mode()
@@ -69,5 +82,6 @@ __all__ = [
     "RopeScaling",
     "export_preset",
     "load_model",
+    "model_config",
     "prompt_logits",
 ]

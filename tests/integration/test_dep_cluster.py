@@ -1,0 +1,92 @@
+"""A decode DEP group inside a real `ferry up` cluster: two rank processes joined by gloo,
+each a worker of its own in Redis, serve the in-process engine's greedy tokens; a rank killed
+mid-stream makes its peer fail its requests within the group timeout and leave the registry,
+and new requests go to the remaining decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.engine import Engine, EngineConfig, SamplingParams
+from tests.cluster import Cluster, Result, ferry_up, generate, greedy
+from tests.redis_server import RedisServer, redis_server
+
+WORKER_ARGS = "--block-size 16 --dep-timeout 3"
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(redis: RedisServer) -> Iterator[Cluster]:
+    with ferry_up(redis.url, "--decode", "0", "--decode-dep", "2", "--num-redundant-experts", "2",
+                  "--num-kv-blocks", "256", "--worker-args", WORKER_ARGS, cluster="dep") as c:  # fmt: skip
+        yield c
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(5 + 13 * i)] for i in range(n)]
+
+
+def run(*coros: object) -> list[Result]:
+    async def main() -> list[Result]:
+        return list(await asyncio.gather(*coros))  # type: ignore[arg-type]
+
+    return asyncio.run(main())
+
+
+def test_ranks_register_with_their_group(cluster: Cluster) -> None:
+    ranks = {v.record.worker_id: v.record for v in cluster.views("decode")}
+    assert sorted(ranks) == ["decode-r0", "decode-r1"]
+    assert ranks["decode-r0"].dep_group
+    assert ranks["decode-r0"].dep_group == ranks["decode-r1"].dep_group
+    assert [ranks[w].dep_rank for w in ("decode-r0", "decode-r1")] == [0, 1]
+
+
+def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> None:
+    ps = prompts(16)
+    results = run(*(generate(cluster.scheduler, p, greedy(10, ignore_eos=True)) for p in ps))
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
+    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for res, ref in zip(results, expected, strict=True):
+        assert res.code is None, res.details
+        assert res.token_ids == ref.token_ids
+    loads = [v.load for v in cluster.views("decode")]
+    assert all(ld is not None for ld in loads)
+
+
+def test_a_killed_rank_fails_its_group_and_traffic_moves_on(redis: RedisServer) -> None:
+    """A cluster with the group and one independent decode worker: after decode-r1 is killed,
+    decode-r0's requests fail within the group timeout, the group leaves the registry, and new
+    requests go to decode-0."""
+    with ferry_up(redis.url, "--decode", "1", "--decode-dep", "2", "--num-kv-blocks", "256",
+                  "--worker-args", WORKER_ARGS, cluster="dep-kill") as c:  # fmt: skip
+
+        async def main() -> tuple[list[Result], float]:
+            tasks = [asyncio.create_task(generate(c.scheduler, p, greedy(400, ignore_eos=True),
+                                                  timeout=60)) for p in prompts(6)]  # fmt: skip
+            await asyncio.sleep(1.5)  # every request is decoding somewhere
+            c.signal("decode-r1", signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            return list(results), time.monotonic() - killed
+
+        results, took = asyncio.run(main())
+        failed = [r for r in results if r.code is not None]
+        assert failed, "the group's requests must fail"
+        assert all(r.code == grpc.StatusCode.UNAVAILABLE for r in failed), failed
+        assert any(r.code is None for r in results)  # decode-0's own requests finish
+        assert took < 30
+        gone = lambda: not {"decode-r0", "decode-r1"} & {v.record.worker_id for v in c.views()}  # noqa: E731
+        c.wait_for("the group left the registry", gone, 15)
+        after = run(*(generate(c.scheduler, p, greedy(5, ignore_eos=True)) for p in prompts(4)))
+        assert all(r.code is None and len(r.token_ids) == 5 for r in after), after
