@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -193,6 +195,24 @@ class ClusterState:
             if role is None or record.role == role:
                 views.append(WorkerView(record, _decode(LoadReport, load) if load else None))
         return sorted(views, key=lambda v: v.record.worker_id)
+
+    async def publish_expert_load(self, group: str, rank: int, counts: list[list[int]]) -> None:
+        """This rank's expert-load window under ``eplb:{group}:load`` (a hash, one field per
+        rank, expiring with the heartbeat TTL) for the EPLB controller."""
+        key = self.key("eplb", group, "load")
+        value = json.dumps({"counts": counts, "updated_at": time.time()})
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, str(rank), value)
+        pipe.pexpire(key, int(self.ttl_s * 1000))
+        try:
+            await pipe.execute()
+        except REDIS_DOWN as e:
+            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+
+    async def expert_load(self, group: str) -> dict[int, list[list[int]]]:
+        """Every rank's last published window of ``group``."""
+        raw = await self.redis.hgetall(self.key("eplb", group, "load"))
+        return {int(rank): json.loads(v)["counts"] for rank, v in raw.items()}
 
     async def server_id(self) -> str:
         """The Redis server's run id: it changes when Redis restarts (and forgets every key)."""

@@ -4,6 +4,7 @@ registration and load reports in Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -12,7 +13,12 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
+from services.common.cluster_state import (
+    ClusterState,
+    ClusterStateError,
+    LoadReport,
+    WorkerRecord,
+)
 from services.common.config import ServiceConfig
 from services.common.log import get_logger
 from services.common.server import Service
@@ -68,6 +74,7 @@ class EngineWorker(Service):
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.kv_address = ""
         self._watch: asyncio.Task[None] | None = None
+        self._publish: asyncio.Task[None] | None = None
 
     @staticmethod
     def _engine(config: WorkerConfig) -> Engine:
@@ -106,6 +113,18 @@ class EngineWorker(Service):
         )  # fmt: skip
         await self.cluster.register(record, self.load_report)
         self._watch = asyncio.create_task(self._watch_engine())
+        self._publish = asyncio.create_task(self._publish_expert_load())
+
+    async def _publish_expert_load(self) -> None:
+        """Every heartbeat: this engine's expert-load window, for the EPLB controller (the
+        group of an independent worker is the worker itself)."""
+        group = self.dep_group or self.worker_id
+        rank = self.config.dep_rank if self.dep_group else 0
+        while True:
+            await asyncio.sleep(self.config.service.heartbeat_s)
+            counts = self.engine.engine.expert_load.window().tolist()
+            with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
+                await self.cluster.publish_expert_load(group, rank, counts)
 
     async def _watch_engine(self) -> None:
         """A dead engine (a DEP peer that stopped answering fails every collective) cannot
@@ -131,8 +150,9 @@ class EngineWorker(Service):
 
     async def close(self) -> None:
         """Subclasses close their transports first, then call this."""
-        if self._watch is not None:
-            self._watch.cancel()
+        for task in (self._watch, self._publish):
+            if task is not None:
+                task.cancel()
         await self.cluster.close()
         self.engine.shutdown()
         stop_service_threads()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.config import EngineConfig
+from services.engine.expert_load import ExpertLoad
 from services.engine.expert_parallel import EPGroup
 from services.engine.experts import ExpertPlacement
 from services.engine.kv_cache import KVCacheManager
@@ -69,6 +70,9 @@ class Engine:
         self.ep_group = ep_group
         if ep_group is not None:
             self.model.attach_ep_group(ep_group)
+        mc = self.model.config
+        self.expert_load = ExpertLoad(mc.num_moe_layers, mc.n_routed_experts)
+        self.model.attach_expert_load(self.expert_load)
         mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -215,6 +219,7 @@ class Engine:
                 if req.finish_reason is not None or hold is not None:
                     self._finish(req)
         total = time.perf_counter() - started
+        self.expert_load.end_step()
         self.last_step = StepStats(len(plan.requests), plan.total_tokens, total, forward_s)
         return outputs
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from services.common.cluster_state import ClusterState
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import RedisServer, redis_server
@@ -62,6 +63,24 @@ def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> No
         assert res.token_ids == ref.token_ids
     loads = [v.load for v in cluster.views("decode")]
     assert all(ld is not None for ld in loads)
+    # each rank publishes its expert-load window for the EPLB controller
+    group = cluster.views("decode")[0].record.dep_group
+
+    def published() -> dict[int, list[list[int]]]:
+        async def read() -> dict[int, list[list[int]]]:
+            state = ClusterState(cluster.redis_url, cluster.cluster)
+            try:
+                return await state.expert_load(group)
+            finally:
+                await state.close()
+
+        return asyncio.run(read())
+
+    cluster.wait_for("expert load published",
+                     lambda: sorted(published()) == [0, 1] and all(
+                         sum(map(sum, c)) > 0 for c in published().values()), 5)  # fmt: skip
+    windows = published()
+    assert len(windows[0]) == 3 and len(windows[0][0]) == 16  # MoE layers x logical experts
 
 
 def test_a_killed_rank_fails_its_group_and_traffic_moves_on(redis: RedisServer) -> None:

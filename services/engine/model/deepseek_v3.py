@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.expert_load import ExpertLoad
 from services.engine.expert_parallel import EPGroup
 from services.engine.experts import ExpertPlacement
 from services.engine.model.config import ModelConfig
@@ -82,6 +83,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.ep_group = group
+
+    def attach_expert_load(self, load: ExpertLoad) -> None:
+        """Count every MoE layer's routing into ``load``."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.expert_load = load
 
     def idle_moe_pass(self) -> None:
         """A DEP rank with nothing to run this step: join every MoE layer's exchange with no

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels as ops
+from services.engine.expert_load import ExpertLoad
 from services.engine.expert_parallel import EPGroup, combine, dispatch
 from services.engine.experts import ExpertPlacement
 from services.engine.model.config import ModelConfig
@@ -171,6 +172,7 @@ class MoE(nn.Module):
         inter = config.moe_intermediate_size
         self.experts = RoutedExperts(placement.slots_per_rank, config.hidden_size, inter)
         self.ep_group: EPGroup | None = None  # set by attach_ep_group on a DEP rank
+        self.expert_load: ExpertLoad | None = None  # set by attach_expert_load
         self.shared_experts = (
             MLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
@@ -189,6 +191,8 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+        if self.expert_load is not None:
+            self.expert_load.add(self.moe_layer, ids)
         slots = self.placement.select_slots(self.moe_layer, ids)
         if self.ep_group is None:
             out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
