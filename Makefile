@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep clean redis
 
 setup: $(STAMP) redis
 
@@ -48,7 +48,7 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine bench-kv bench-services
+bench: bench-engine bench-kv bench-services bench-wide-ep
 
 bench-kv: setup
 	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
@@ -56,6 +56,10 @@ bench-kv: setup
 # 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
 bench-services: setup
 	$(PY) loadtest/bench_services.py $(BENCH_ARGS)
+
+# MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
+bench-wide-ep: setup
+	$(PY) loadtest/bench_wide_ep.py $(BENCH_ARGS)
 
 # BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests (the full run takes ~1 h here)
 bench-engine: setup

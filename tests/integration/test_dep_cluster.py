@@ -109,3 +109,20 @@ def test_a_killed_rank_fails_its_group_and_traffic_moves_on(redis: RedisServer) 
         c.wait_for("the group left the registry", gone, 15)
         after = run(*(generate(c.scheduler, p, greedy(5, ignore_eos=True)) for p in prompts(4)))
         assert all(r.code is None and len(r.token_ids) == 5 for r in after), after
+
+
+def test_a_prefill_dep_group_serves_the_in_process_greedy_tokens(redis: RedisServer) -> None:
+    with ferry_up(redis.url, "--prefill", "0", "--prefill-dep", "2", "--decode", "1",
+                  "--num-kv-blocks", "256", "--worker-args", WORKER_ARGS,
+                  cluster="dep-prefill") as c:  # fmt: skip
+        assert sorted(v.record.worker_id for v in c.views("prefill")) == [
+            "prefill-r0",
+            "prefill-r1",
+        ]
+        ps = prompts(12)
+        results = run(*(generate(c.scheduler, p, greedy(6, ignore_eos=True)) for p in ps))
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
+    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for res, ref in zip(results, expected, strict=True):
+        assert res.code is None, res.details
+        assert res.token_ids == ref.token_ids
