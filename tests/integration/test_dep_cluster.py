@@ -45,6 +45,16 @@ def run(*coros: object) -> list[Result]:
     return asyncio.run(main())
 
 
+def assert_in_process_tokens(cluster: Cluster, ps: list[list[int]], n: int) -> None:
+    """Greedy requests through the cluster, all at once, give the in-process engine's tokens."""
+    results = run(*(generate(cluster.scheduler, p, greedy(n, ignore_eos=True)) for p in ps))
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
+    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    for res, ref in zip(results, expected, strict=True):
+        assert res.code is None, res.details
+        assert res.token_ids == ref.token_ids
+
+
 def test_ranks_register_with_their_group(cluster: Cluster) -> None:
     ranks = {v.record.worker_id: v.record for v in cluster.views("decode")}
     assert sorted(ranks) == ["decode-r0", "decode-r1"]
@@ -54,13 +64,7 @@ def test_ranks_register_with_their_group(cluster: Cluster) -> None:
 
 
 def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> None:
-    ps = prompts(16)
-    results = run(*(generate(cluster.scheduler, p, greedy(10, ignore_eos=True)) for p in ps))
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
-    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    for res, ref in zip(results, expected, strict=True):
-        assert res.code is None, res.details
-        assert res.token_ids == ref.token_ids
+    assert_in_process_tokens(cluster, prompts(16), 10)
     loads = [v.load for v in cluster.views("decode")]
     assert all(ld is not None for ld in loads)
     # each rank publishes its expert-load window for the EPLB controller
@@ -119,10 +123,4 @@ def test_a_prefill_dep_group_serves_the_in_process_greedy_tokens(redis: RedisSer
             "prefill-r0",
             "prefill-r1",
         ]
-        ps = prompts(12)
-        results = run(*(generate(c.scheduler, p, greedy(6, ignore_eos=True)) for p in ps))
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
-    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    for res, ref in zip(results, expected, strict=True):
-        assert res.code is None, res.details
-        assert res.token_ids == ref.token_ids
+        assert_in_process_tokens(c, prompts(12), 6)
