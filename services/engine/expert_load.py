@@ -1,5 +1,11 @@
 """How many tokens each MoE layer routed to each logical expert, over a sliding window of steps:
-what the EPLB controller balances (design.md §1: expert load in Redis)."""
+what the EPLB controller balances (design.md §1: expert load in Redis).
+
+The counts stay on the model's device and are added without a host sync (the MoE layers call
+``add`` on the per-step path); only ``window()``, read once per heartbeat, copies to the host.
+The window slides in buckets of ``bucket_steps`` steps, so it holds a few tensors, not one per
+step.
+"""
 
 from __future__ import annotations
 
@@ -10,30 +16,40 @@ import torch
 
 
 class ExpertLoad:
-    """The MoE layers add their per-step counts; ``window()`` sums the last ``window_steps``."""
-
-    def __init__(self, num_moe_layers: int, num_experts: int, window_steps: int = 1000) -> None:
+    def __init__(
+        self, num_moe_layers: int, num_experts: int, window_steps: int = 1000,
+        bucket_steps: int = 100,
+    ) -> None:  # fmt: skip
         self.shape = (num_moe_layers, num_experts)
-        self._step = torch.zeros(self.shape, dtype=torch.long)
-        self._steps: deque[torch.Tensor] = deque(maxlen=window_steps)
-        self._total = torch.zeros(self.shape, dtype=torch.long)
+        self.bucket_steps = max(1, min(bucket_steps, window_steps))
+        self._buckets: deque[torch.Tensor] = deque(maxlen=max(1, window_steps // self.bucket_steps))
+        self._current: torch.Tensor | None = None  # the bucket being filled, on the device
+        self._steps_in_current = 0
         self._lock = threading.Lock()  # the engine thread adds, a heartbeat reads
 
     def add(self, moe_layer: int, logical_ids: torch.Tensor) -> None:
         """One layer's routing this step: ``logical_ids`` [tokens, top_k]."""
-        if logical_ids.numel():
-            self._step[moe_layer] += torch.bincount(logical_ids.reshape(-1).cpu(),
-                                                    minlength=self.shape[1])  # fmt: skip
+        if not logical_ids.numel():
+            return
+        if self._current is None:
+            self._current = torch.zeros(self.shape, dtype=torch.long, device=logical_ids.device)
+        self._current[moe_layer] += torch.bincount(logical_ids.reshape(-1),
+                                                   minlength=self.shape[1])  # fmt: skip
 
     def end_step(self) -> None:
+        self._steps_in_current += 1
+        if self._steps_in_current < self.bucket_steps or self._current is None:
+            return
         with self._lock:
-            if len(self._steps) == self._steps.maxlen:
-                self._total -= self._steps[0]
-            self._steps.append(self._step)
-            self._total += self._step
-        self._step = torch.zeros(self.shape, dtype=torch.long)
+            self._buckets.append(self._current)
+        self._current = None
+        self._steps_in_current = 0
 
     def window(self) -> torch.Tensor:
-        """[num_moe_layers, num_experts] tokens routed over the window."""
+        """[num_moe_layers, num_experts] tokens routed over the window, on the host."""
         with self._lock:
-            return self._total.clone()
+            parts = [*self._buckets, *([self._current] if self._current is not None else [])]
+        total = torch.zeros(self.shape, dtype=torch.long)
+        for p in parts:
+            total += p.cpu()
+        return total

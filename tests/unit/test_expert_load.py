@@ -6,14 +6,23 @@ from services.engine import Engine, EngineConfig, SamplingParams
 from services.engine.expert_load import ExpertLoad
 
 
-def test_window_slides_over_the_last_steps() -> None:
-    load = ExpertLoad(num_moe_layers=2, num_experts=4, window_steps=2)
+def test_window_slides_over_the_last_buckets() -> None:
+    load = ExpertLoad(num_moe_layers=2, num_experts=4, window_steps=2, bucket_steps=1)
     for step in ([[0, 1]], [[1, 1]], [[3, 3]]):
         load.add(0, torch.tensor(step))
         load.add(1, torch.tensor([[2, 2]]))
         load.end_step()
     assert load.window()[0].tolist() == [0, 2, 0, 2]  # the first step has left the window
     assert load.window()[1].tolist() == [0, 0, 4, 0]
+    # buckets of 2 steps in a 4-step window: the bucket being filled counts too
+    load = ExpertLoad(num_moe_layers=1, num_experts=2, window_steps=4, bucket_steps=2)
+    for _ in range(5):
+        load.add(0, torch.tensor([[0]]))
+        load.end_step()
+    assert load.window().tolist() == [[5, 0]]  # two full buckets and one step of the third
+    load.add(0, torch.tensor([[1]]))
+    load.end_step()  # the third bucket is full: the first leaves
+    assert load.window().tolist() == [[3, 1]]
 
 
 def test_engine_counts_every_routed_token() -> None:
