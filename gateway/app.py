@@ -168,6 +168,8 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 class _Api:
     object = ""
     chunk_object = ""
+    prefix = ""
+    num_top = 0  # how many top alternatives the request asked for
 
     def __init__(self, backend: Backend, body: _Sampling, prompt_ids: list[int]) -> None:
         self.backend, self.body, self.prompt_ids = backend, body, prompt_ids
@@ -178,8 +180,6 @@ class _Api:
 
     def requested_top(self) -> int:
         return 0
-
-    prefix = ""
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
@@ -213,8 +213,6 @@ class _Api:
 
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
         raise NotImplementedError
-
-    num_top = 0  # how many top alternatives the request asked for
 
     def top(self, lp: common_pb2.TokenLogprobs) -> list[tuple[str, float]]:
         """(token text, logprob) of the top alternatives, most likely first. The engine sends

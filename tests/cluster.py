@@ -8,15 +8,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
 from infra.redis_server import free_port
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.cluster_state import ClusterState, WorkerView
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,15 +32,20 @@ class Cluster:
     grpc: str = ""  # host:port of the public gRPC API
     pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid, read once at start
 
-    def views(self, role: str | None = None) -> list[WorkerView]:
-        async def read() -> list[WorkerView]:
+    def read(self, query: Callable[[ClusterState], Awaitable[T]]) -> T:
+        """``query`` on a ClusterState of this cluster's Redis (a fresh connection)."""
+
+        async def run() -> T:
             state = ClusterState(self.redis_url, self.cluster)
             try:
-                return await state.workers(role)
+                return await query(state)
             finally:
                 await state.close()
 
-        return asyncio.run(read())
+        return asyncio.run(run())
+
+    def views(self, role: str | None = None) -> list[WorkerView]:
+        return self.read(lambda state: state.workers(role))
 
     def signal(self, worker_id: str, sig: signal.Signals) -> None:
         os.kill(self.pids[worker_id], sig)

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.common.cluster_state import ClusterState
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import RedisServer, redis_server
@@ -71,14 +70,7 @@ def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> No
     group = cluster.views("decode")[0].record.dep_group
 
     def published() -> dict[int, list[list[int]]]:
-        async def read() -> dict[int, list[list[int]]]:
-            state = ClusterState(cluster.redis_url, cluster.cluster)
-            try:
-                return await state.expert_load(group)
-            finally:
-                await state.close()
-
-        return asyncio.run(read())
+        return cluster.read(lambda state: state.expert_load(group))
 
     cluster.wait_for("expert load published",
                      lambda: sorted(published()) == [0, 1] and all(
