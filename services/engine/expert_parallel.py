@@ -45,7 +45,10 @@ class EPGroup:
         return bool(t.item())
 
     def close(self) -> None:
+        """Leave the group together: a rank that tears its sockets down while a peer still
+        reads its last exchange can abort that peer."""
         if dist.is_initialized():
+            dist.barrier(group=self.group)
             dist.destroy_process_group()
 
 
