@@ -95,8 +95,19 @@ async def measure(
                 "gbps": nbytes / statistics.median(times[1:]) / 1e9,
             }
         )
+    if concurrent:
+        rows.append(await _concurrent_latency(imp, queue, blocks, tokens[0] // BLOCK, n_max,
+                                              perm, concurrent))  # fmt: skip
+    await imp.transport.close()
+    return rows
+
+
+async def _concurrent_latency(
+    imp: KvImporter, queue: list[KvHandle], blocks: str, n: int, n_max: int, perm: list[int],
+    concurrent: int,
+) -> dict[str, object]:  # fmt: skip
+    """p50/p99 of ``n``-block pulls, ``concurrent`` at a time, four rounds."""
     lat: list[float] = []
-    n = tokens[0] // BLOCK
     for _ in range(4):
 
         async def one(h: KvHandle, dst: list[int]) -> None:
@@ -111,10 +122,9 @@ async def measure(
             dsts = [[perm[(i * n + j) % n_max] for j in range(n)] for i in range(concurrent)]
         await asyncio.gather(*(one(h, d) for h, d in zip(batch, dsts, strict=True)))
     lat.sort()
-    rows.append({"transport": transport, "blocks": blocks, "tokens": tokens[0], "concurrent": concurrent,
-                 "p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3})  # fmt: skip
-    await imp.transport.close()
-    return rows
+    return {"transport": imp.transport.name, "blocks": blocks, "tokens": n * BLOCK,
+            "concurrent": concurrent, "p50_ms": lat[len(lat) // 2] * 1e3,
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3}  # fmt: skip
 
 
 def local_copy(

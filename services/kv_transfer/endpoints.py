@@ -7,12 +7,15 @@ import time
 
 import torch
 
+from services.common.log import get_logger
 from services.engine.kv_cache import KVCacheManager
 from services.kv_transfer import metrics
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint, LayoutMismatch, TransferError
 from services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
 from services.kv_transfer.staging import StagingPool, checksum_blocks, gather_blocks
 from services.kv_transfer.transport import KvSink, KvTransport
+
+log = get_logger(__name__)
 
 
 class KvExporter:
@@ -162,7 +165,15 @@ class KvImporter:
         metrics.TRANSFERS.labels(name).inc()
         metrics.TRANSFER_BYTES.labels(name).inc(nbytes)
         metrics.TRANSFER_SECONDS.labels(name).observe(time.perf_counter() - started)
-        await self.transport.release(handle)
+        try:
+            await asyncio.wait_for(self.transport.release(handle), self.transfer_timeout)
+        except (
+            Exception
+        ) as e:  # the blocks are here: a lost release only leaves the lease to expire
+            metrics.FAILED_RELEASES.labels(name).inc()
+            log.warning(
+                "kv_release_failed", transfer_id=handle.transfer_id, peer=peer, error=repr(e)
+            )
         return dst
 
 

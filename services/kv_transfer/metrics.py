@@ -15,4 +15,9 @@ TRANSFER_SECONDS = Histogram(
 FAILED_TRANSFERS = Counter(
     "ferry_kv_transfer_failures_total", "Failed KV pulls", ["transport", "reason"]
 )
+FAILED_RELEASES = Counter(
+    "ferry_kv_release_failures_total",
+    "Pulls that landed but could not tell the exporter (its lease expires instead)",
+    ["transport"],
+)
 EXPIRED_LEASES = Counter("ferry_kv_leases_expired_total", "KV leases that expired unpulled")

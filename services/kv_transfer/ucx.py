@@ -42,10 +42,15 @@ if TYPE_CHECKING:
 # measured with loadtest/bench_kv_transfer.py and a plain ucxx loop of 126 MB messages here:
 # - blocking progress (ucxx waits on UCX's event fd in the asyncio loop): ~2.3x ucxx's default
 #   progress thread, as fast as polling;
+# - shared memory with error handling: ucxx's endpoints ask for peer failure detection (so that
+#   a dead peer fails a transfer instead of killing this process), and UCX leaves out every
+#   transport that does not offer it; posix/sysv offer it only when asked (UCX_MM_ERROR_HANDLING),
+#   and without an intra-node AM lane UCX never uses cma either: every byte went over tcp/lo;
 # - put_zcopy rendezvous: faster than get_zcopy or auto for large messages;
 # - no warning about the variables ucxx itself sets.
 UCX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "blocking",
+    "UCX_MM_ERROR_HANDLING": "y",
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }

@@ -122,6 +122,76 @@ def test_exporter_killed_mid_transfer(transport: str) -> None:
         imp.kv.check_integrity()
 
 
+# A second process that pulls the handles it reads from stdin, one after another, until killed.
+PULL_FOREVER = """
+import asyncio, sys, torch
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+layers, blocks, bs, dim = map(int, sys.argv[1:5])
+layout = LayoutFingerprint("test-model", "float32", layers, dim, bs)
+handles = [KvHandle.from_json(line) for line in sys.stdin]
+imp = KvImporter(create_transport("ucx"), torch.zeros(layers, blocks, bs, dim),
+                 KVCacheManager(blocks, bs), layout, 10.0)
+async def main():
+    for h in handles:
+        await imp.pull(h)
+        imp.kv.release_hold(imp.hold_key(h))
+        print("pulled", flush=True)
+asyncio.run(main())
+"""
+
+
+def test_ucx_peers_killed_while_bytes_move() -> None:
+    """Shared-memory transfers keep UCX's peer failure handling: an importer killed mid-pull
+    leaves the exporter serving, and an exporter killed mid-pull fails that pull (in this
+    process, which survives) with every destination block free again."""
+    args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS),
+            "--sizes", ",".join(["256"] * 400), "--contiguous", "--reuse-blocks"]  # fmt: skip
+    expected = make_cache(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM, SEED)
+    with exporter_process(*args) as (proc, handles, srcs):
+        child = subprocess.Popen(
+            [sys.executable, "-c", PULL_FOREVER, str(LAYERS), str(WIDE_BLOCKS), str(BS), str(WIDE_DIM)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("".join(h.to_json() + "\n" for h in handles[:300]))
+        child.stdin.close()
+        for _ in range(
+            5
+        ):  # it is pulling: kill it between two of its 64 MB transfers or inside one
+            assert child.stdout.readline() == "pulled\n"
+        child.kill()
+        child.wait(10)
+        time.sleep(0.5)
+        assert proc.poll() is None, "the exporter died with its importer"
+
+        cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
+        imp = KvImporter(create_transport("ucx"), cache, KVCacheManager(WIDE_BLOCKS, BS), WIDE,
+                         transfer_timeout=10.0, verify_checksum=True)  # fmt: skip
+
+        async def run() -> float:
+            await imp.pull(handles[300], list(range(WIDE_BLOCKS)))  # the exporter still serves
+            assert torch.equal(cache, expected[:, srcs[300]])
+
+            async def pull_rest() -> None:
+                for h in handles[301:]:
+                    await imp.pull(h, None)
+                    imp.kv.release_hold(imp.hold_key(h))
+
+            task = asyncio.create_task(pull_rest())
+            await asyncio.sleep(0.3)
+            os.kill(proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(TransferError):
+                await task
+            await imp.transport.close()
+            return time.monotonic() - started
+
+        assert asyncio.run(run()) < 10.0
+        assert imp.kv.usage()["in_use"] == 0
+        imp.kv.check_integrity()
+
+
 # Wide blocks (64 KiB per layer), so that 16 consecutive blocks make a run that moves in place.
 WIDE_DIM, WIDE_BLOCKS = 1024, 256
 WIDE = LayoutFingerprint("test-model", "float32", LAYERS, WIDE_DIM, BS)
