@@ -51,6 +51,12 @@ def moe_route(
     return weights, ids
 
 
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[num_experts] int64: how many of ``topk_ids`` [num_tokens, top_k] chose each expert."""
+    out: torch.Tensor = resolve("expert_counts", topk_ids.device)(topk_ids, num_experts)
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -86,6 +92,7 @@ def prefill_attention(
 
 __all__ = [
     "add_rms_norm",
+    "expert_counts",
     "fused_moe",
     "get_backend",
     "implementations",

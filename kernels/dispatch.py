@@ -1,37 +1,63 @@
 """One dispatch point for every op the model calls.
 
 Each op registers one implementation per backend (``torch`` is the reference and always present;
-``triton`` kernels register themselves where they exist). The backend is chosen per call from the
-tensor's device — Triton on CUDA, torch elsewhere — unless ``FERRY_KERNELS`` (``torch`` or
-``triton``) or :func:`set_backend` forces one. This is the only place in Ferry that reads
-``FERRY_KERNELS``.
+``triton`` kernels are declared with :func:`register_lazy` and imported on first use, so that
+``import kernels`` never imports Triton). The backend is chosen per call from the tensor's device
+— Triton on CUDA, torch elsewhere — unless ``FERRY_KERNELS`` (``torch`` or ``triton``) or
+:func:`set_backend` forces one. Forcing ``triton`` on CPU tensors runs the kernels under Triton's
+interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before they are defined. This is
+the only place in Ferry that reads ``FERRY_KERNELS`` and ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
-_registry: dict[str, dict[str, Callable[..., Any]]] = {}
 _forced: str = os.environ.get("FERRY_KERNELS", "auto").strip().lower() or "auto"
 if _forced not in BACKENDS:
     raise ValueError(f"FERRY_KERNELS={_forced!r}: choose one of {', '.join(BACKENDS)}")
 
 
+@dataclass(frozen=True)
+class _Lazy:
+    """An implementation not imported yet: importing ``module`` registers it."""
+
+    module: str
+
+
+_registry: dict[str, dict[str, Callable[..., Any] | _Lazy]] = {}
+_unloadable: dict[str, str] = {}  # module -> why its import failed (asked for once)
+
+
 def register(op: str, backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: make ``fn`` the ``backend`` implementation of ``op``."""
-    if backend not in BACKENDS[1:]:
-        raise ValueError(f"unknown kernel backend {backend!r}")
+    _check_backend(backend)
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         _registry.setdefault(op, {})[backend] = fn
         return fn
 
     return wrap
+
+
+def register_lazy(op: str, backend: str, module: str) -> None:
+    """Declare that importing ``module`` registers the ``backend`` implementation of ``op``;
+    the import happens the first time a call picks that backend."""
+    _check_backend(backend)
+    _registry.setdefault(op, {}).setdefault(backend, _Lazy(module))
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS[1:]:
+        raise ValueError(f"unknown kernel backend {backend!r}")
 
 
 def set_backend(backend: str) -> None:
@@ -47,7 +73,27 @@ def get_backend() -> str:
 
 
 def implementations(op: str) -> dict[str, Callable[..., Any]]:
-    return dict(_registry.get(op, {}))
+    """The implementations of ``op`` imported so far (lazy ones appear once loaded)."""
+    return {b: fn for b, fn in _registry.get(op, {}).items() if not isinstance(fn, _Lazy)}
+
+
+def backends(op: str) -> tuple[str, ...]:
+    """Every backend ``op`` has, imported or not."""
+    return tuple(_registry.get(op, {}))
+
+
+def implementation(op: str, backend: str) -> Callable[..., Any]:
+    """The ``backend`` implementation of ``op``, importing it if needed (benchmarks and tests)."""
+    impls = _registry.get(op, {})
+    if backend not in impls:
+        raise RuntimeError(f"op {op!r} has no {backend!r} implementation (FERRY_KERNELS={_forced})")
+    entry = impls[backend]
+    if isinstance(entry, _Lazy):
+        _import(entry.module)
+        entry = impls[backend]
+        if isinstance(entry, _Lazy):
+            raise RuntimeError(f"importing {entry.module} did not register {op!r} ({backend})")
+    return entry
 
 
 def resolve(op: str, device: torch.device) -> Callable[..., Any]:
@@ -56,9 +102,47 @@ def resolve(op: str, device: torch.device) -> Callable[..., Any]:
     if not impls:
         raise KeyError(f"no kernel registered for op {op!r}")
     if _forced == "auto":
-        want = "triton" if device.type == "cuda" and "triton" in impls else "torch"
+        want = "triton" if device.type == "cuda" and _triton_usable(impls) else "torch"
     else:
         want = _forced
     if want not in impls:
         raise RuntimeError(f"op {op!r} has no {want!r} implementation (FERRY_KERNELS={_forced})")
-    return impls[want]
+    if want == "triton" and device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            f"op {op!r}: Triton kernels run on CPU tensors only under Triton's interpreter; set "
+            "TRITON_INTERPRET=1 in the environment before the process starts (Triton reads it "
+            "when the kernels are defined), or use FERRY_KERNELS=torch"
+        )
+    entry = impls[want]
+    return implementation(op, want) if isinstance(entry, _Lazy) else entry
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels defined from now on run under Triton's (CPU) interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_usable(impls: dict[str, Callable[..., Any] | _Lazy]) -> bool:
+    """For "auto": is there a Triton implementation that imports? A broken Triton install falls
+    back to torch with one warning instead of failing every forward."""
+    entry = impls.get("triton")
+    if entry is None:
+        return False
+    if not isinstance(entry, _Lazy):
+        return True
+    if entry.module not in _unloadable:
+        try:
+            _import(entry.module)
+        except RuntimeError as exc:
+            warnings.warn(f"{exc}; using the torch kernels", RuntimeWarning, stacklevel=3)
+    return entry.module not in _unloadable
+
+
+def _import(module: str) -> None:
+    if module in _unloadable:
+        raise RuntimeError(_unloadable[module])
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # a broken Triton install can raise anything, not only ImportError
+        _unloadable[module] = f"cannot import {module} (is Triton installed?): {exc!r}"
+        raise RuntimeError(_unloadable[module]) from exc

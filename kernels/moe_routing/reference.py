@@ -40,3 +40,12 @@ def moe_route_torch(
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+@register("expert_counts", "torch")
+def expert_counts_torch(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert (what EPLB balances): topk_ids [num_tokens, top_k] int ->
+    [num_experts] int64. Ids outside [0, num_experts), such as -1 slots, are not counted."""
+    flat = topk_ids.reshape(-1)
+    bins = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # last bin: ignored
+    return torch.bincount(bins, minlength=num_experts + 1)[:num_experts]

@@ -1,0 +1,385 @@
+"""Kernel benchmark: every Triton kernel against its torch reference at DeepSeek-V3's shapes.
+
+    python -m kernels.bench                      # on a CUDA GPU; writes loadtest/results/kernels.json
+    python -m kernels.bench --only mla_decode fused_moe
+    TRITON_INTERPRET=1 python -m kernels.bench --tiny   # tiny shapes on the CPU: checks the script
+
+Each case first checks the Triton output against the torch reference, run in float32 on the same
+(bfloat16) inputs: max error within 1e-2 of the reference's largest value; routing, the same
+experts for every token. (The bfloat16 reference rounds its intermediates, scores and per-expert
+outputs, to bfloat16 and strays further from float32 than the kernels do.) Then it times both
+with ``triton.testing.do_bench`` (median, L2 flushed between runs) and reports the achieved HBM
+bandwidth and tensor throughput next to an H200's ceilings, and the fraction of the roofline
+(the larger of bytes / bandwidth and flops / peak) reached. Without a CUDA device (and without
+``--tiny``) it says so and exits 0. The exit status is 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels import dispatch
+
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_BF16_FLOPS = 989e12  # dense
+BF16_TOLERANCE = 1e-2
+DEFAULT_OUT = "loadtest/results/kernels.json"
+DEVICE = torch.device("cuda")  # main() picks the CPU for --tiny without a GPU
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model dimensions and the batch sizes benchmarked."""
+
+    hidden: int
+    heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    qk_head_dim: int
+    v_head_dim: int
+    experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    moe_inter: int
+    block_size: int
+    norm_tokens: tuple[int, ...]
+    moe_tokens: tuple[int, ...]
+    decode: tuple[tuple[int, int], ...]  # (batch, context)
+    prefill: tuple[tuple[int, int], ...]  # (new tokens, context)
+
+
+DEEPSEEK_V3 = Shapes(
+    hidden=7168,
+    heads=128,
+    kv_lora_rank=512,
+    rope_dim=64,
+    qk_head_dim=192,
+    v_head_dim=128,
+    experts=256,
+    top_k=8,
+    n_group=8,
+    topk_group=4,
+    moe_inter=2048,
+    block_size=64,
+    norm_tokens=(64, 4096),
+    moe_tokens=(64, 256, 4096),
+    decode=((64, 4096), (128, 8192), (256, 4096), (64, 32768)),
+    prefill=((4096, 4096), (1024, 8192)),
+)
+TINY = Shapes(
+    hidden=64,
+    heads=4,
+    kv_lora_rank=32,
+    rope_dim=16,
+    qk_head_dim=24,
+    v_head_dim=16,
+    experts=16,
+    top_k=4,
+    n_group=4,
+    topk_group=2,
+    moe_inter=32,
+    block_size=16,
+    norm_tokens=(8,),
+    moe_tokens=(12,),
+    decode=((3, 40),),
+    prefill=((20, 36),),
+)
+
+
+@dataclass
+class Case:
+    """One op at one shape: its inputs, the minimum HBM traffic and the flops it needs, and
+    how to compare its outputs (returns the error; raises AssertionError past tolerance)."""
+
+    op: str
+    shape: dict[str, int]
+    args: tuple[Any, ...]
+    bytes: float
+    flops: float
+    compare: Callable[[Any, Any], float]
+
+
+# ---- comparisons -----------------------------------------------------------------------------
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.float(), ref.float()
+    if not torch.isfinite(ours).all():
+        raise AssertionError("non-finite values in the Triton output")
+    return float((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def close(tolerance: float) -> Callable[[Any, Any], float]:
+    def compare(ours: Any, ref: Any) -> float:
+        pairs = zip(ours, ref, strict=True) if isinstance(ours, tuple) else [(ours, ref)]
+        err = max(rel_err(a, b) for a, b in pairs)
+        if err > tolerance:
+            raise AssertionError(f"relative error {err:.2e} > {tolerance:.0e}")
+        return err
+
+    return compare
+
+
+def same_experts(ours: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
+    """Routing: the same set of experts per token (the reference's order is unspecified), and
+    the weights, matched by expert id, within float32 tolerance."""
+    (w, ids), (ref_w, ref_ids) = ours, ref
+    ids, order = ids.sort(dim=1)
+    ref_ids, ref_order = ref_ids.sort(dim=1)
+    if not torch.equal(ids, ref_ids):
+        differ = int((ids != ref_ids).any(dim=1).sum())
+        raise AssertionError(f"{differ} of {ids.shape[0]} tokens routed to other experts")
+    return close(1e-5)(w.gather(1, order), ref_w.gather(1, ref_order))
+
+
+# ---- the cases -------------------------------------------------------------------------------
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, dtype=dtype) * scale
+
+
+def norm_cases(s: Shapes) -> Iterator[Case]:
+    for tokens in s.norm_tokens:
+        x, res, w = _randn(tokens, s.hidden), _randn(tokens, s.hidden), _randn(s.hidden)
+        shape = {"tokens": tokens, "hidden": s.hidden}
+        size = tokens * s.hidden * 2  # bytes of one [tokens, hidden] tensor
+        yield Case(
+            op="rms_norm", shape=shape, args=(x, w, 1e-6),
+            bytes=2 * size, flops=4 * tokens * s.hidden, compare=close(BF16_TOLERANCE),
+        )  # fmt: skip
+        yield Case(
+            op="add_rms_norm", shape=shape, args=(x, res, w, 1e-6),
+            bytes=4 * size, flops=5 * tokens * s.hidden, compare=close(BF16_TOLERANCE),
+        )  # fmt: skip
+
+
+def _route(s: Shapes, tokens: int) -> tuple[Any, ...]:
+    logits = torch.randn(tokens, s.experts, device=DEVICE) * 2
+    bias = torch.randn(s.experts, device=DEVICE) * 0.1
+    return (logits, bias, s.top_k, s.n_group, s.topk_group, True, 2.5)
+
+
+def route_cases(s: Shapes) -> Iterator[Case]:
+    for tokens in s.moe_tokens:
+        yield Case(
+            op="moe_route",
+            shape={"tokens": tokens, "experts": s.experts, "top_k": s.top_k},
+            args=_route(s, tokens),
+            bytes=tokens * s.experts * 4 + tokens * s.top_k * (4 + 8),
+            flops=10 * tokens * s.experts,
+            compare=same_experts,
+        )
+
+
+def moe_cases(s: Shapes) -> Iterator[Case]:
+    """All experts of one layer on this GPU, tokens routed by the real routing function."""
+    w13 = _randn(s.experts, 2 * s.moe_inter, s.hidden, scale=0.02)
+    w2 = _randn(s.experts, s.hidden, s.moe_inter, scale=0.02)
+    route = dispatch.implementation("moe_route", "torch")
+    per_expert = 3 * s.moe_inter * s.hidden * 2  # bytes of one expert's weights
+    for tokens in s.moe_tokens:
+        weights, ids = route(*_route(s, tokens))
+        touched = int(torch.unique(ids).numel())
+        yield Case(
+            op="fused_moe",
+            shape={
+                "tokens": tokens, "experts": s.experts, "top_k": s.top_k, "hidden": s.hidden,
+                "moe_intermediate": s.moe_inter, "experts_touched": touched,
+            },
+            args=(_randn(tokens, s.hidden), w13, w2, weights, ids),
+            bytes=touched * per_expert + 2 * tokens * s.hidden * 2,
+            flops=2 * tokens * s.top_k * 3 * s.hidden * s.moe_inter,
+            compare=close(BF16_TOLERANCE),
+        )  # fmt: skip
+
+
+def decode_cases(s: Shapes) -> Iterator[Case]:
+    dim = s.kv_lora_rank + s.rope_dim
+    for batch, context in s.decode:
+        per_seq = math.ceil(context / s.block_size)
+        cache = _randn(batch * per_seq, s.block_size, dim)  # scattered blocks, full contexts
+        tables = torch.randperm(batch * per_seq, device=DEVICE).view(batch, per_seq)
+        lens = torch.full((batch,), context, dtype=torch.long, device=DEVICE)
+        q = _randn(batch, s.heads, dim)
+        yield Case(
+            op="mla_decode",
+            shape={
+                "batch": batch, "context": context, "heads": s.heads,
+                "kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim,
+                "block_size": s.block_size,
+            },
+            args=(q, cache, tables, lens, s.qk_head_dim**-0.5, s.kv_lora_rank),
+            bytes=batch * context * dim * 2 + batch * s.heads * (dim + s.kv_lora_rank) * 2,
+            flops=2 * batch * s.heads * context * (dim + s.kv_lora_rank),
+            compare=close(BF16_TOLERANCE),
+        )  # fmt: skip
+
+
+def prefill_cases(s: Shapes) -> Iterator[Case]:
+    for q_len, context in s.prefill:
+        q = _randn(q_len, s.heads, s.qk_head_dim).transpose(0, 1)  # as the model passes them
+        k = _randn(context, s.heads, s.qk_head_dim).transpose(0, 1)
+        v = _randn(context, s.heads, s.v_head_dim).transpose(0, 1)
+        pairs = q_len * (context - q_len) + q_len * (q_len + 1) // 2  # causal (query, key) pairs
+        elems = (q_len + context) * (s.qk_head_dim + s.v_head_dim)  # q, k, v and the output
+        yield Case(
+            op="prefill_attention",
+            shape={
+                "new_tokens": q_len, "context": context, "heads": s.heads,
+                "qk_head_dim": s.qk_head_dim, "v_head_dim": s.v_head_dim,
+            },
+            args=(q, k, v, s.qk_head_dim**-0.5),
+            bytes=s.heads * elems * 2,
+            flops=2 * s.heads * pairs * (s.qk_head_dim + s.v_head_dim),
+            compare=close(BF16_TOLERANCE),
+        )  # fmt: skip
+
+
+SUITES: dict[str, Callable[[Shapes], Iterator[Case]]] = {
+    "rms_norm": norm_cases,
+    "moe_route": route_cases,
+    "fused_moe": moe_cases,
+    "mla_decode": decode_cases,
+    "prefill_attention": prefill_cases,
+}
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], Any]) -> float:
+    """Median milliseconds per call: do_bench on CUDA, a few wall-clock runs elsewhere."""
+    if DEVICE.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(runs)
+
+
+def _float32(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(
+        a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    )
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    reference = dispatch.implementation(case.op, "torch")
+    kernel = dispatch.implementation(case.op, "triton")
+    row: dict[str, Any] = {"op": case.op, "shape": case.shape}
+    try:
+        row["max_rel_err"] = case.compare(kernel(*case.args), reference(*_float32(case.args)))
+        row["ok"] = True
+    except AssertionError as exc:
+        row.update(ok=False, error=str(exc))
+    torch_ms = time_ms(lambda: reference(*case.args))
+    triton_ms = time_ms(lambda: kernel(*case.args))
+    roofline_ms = max(case.bytes / H200_HBM_BYTES_PER_S, case.flops / H200_BF16_FLOPS) * 1e3
+    row.update(
+        torch_ms=torch_ms,
+        triton_ms=triton_ms,
+        speedup=torch_ms / triton_ms,
+        bytes=case.bytes,
+        flops=case.flops,
+        triton_GBps=case.bytes / triton_ms / 1e6,
+        triton_TFLOPs=case.flops / triton_ms / 1e9,
+        roofline_ms=roofline_ms,
+        of_roofline=roofline_ms / triton_ms,
+    )
+    return row
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
+    check = f"err {row['max_rel_err']:.1e}" if row["ok"] else f"FAILED: {row['error']}"
+    print(
+        f"{row['op']:18s} {shape}\n"
+        f"    torch {row['torch_ms']:9.3f} ms   triton {row['triton_ms']:9.3f} ms "
+        f"({row['speedup']:5.1f}x)   {row['triton_GBps']:7.0f} GB/s of "
+        f"{H200_HBM_BYTES_PER_S / 1e9:.0f}   {row['triton_TFLOPs']:6.1f} TFLOP/s of "
+        f"{H200_BF16_FLOPS / 1e12:.0f}   {100 * row['of_roofline']:5.1f}% of roofline   {check}"
+    )
+
+
+def _machine() -> dict[str, Any]:
+    import triton
+
+    info: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+    if DEVICE.type == "cuda":
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    global DEVICE
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=sorted(SUITES), help="ops to run (default: all)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny shapes, any device (checks the script)"
+    )
+    args = p.parse_args(argv)
+    if args.tiny:
+        DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif not torch.cuda.is_available():
+        print(
+            "no CUDA device: this benchmark needs a GPU (on the CPU, the kernels are tested "
+            "under TRITON_INTERPRET=1: pytest tests/kernels); nothing to do"
+        )
+        return 0
+    elif dispatch.interpreting():
+        print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
+        return 1
+    shapes = TINY if args.tiny else DEEPSEEK_V3
+    torch.manual_seed(0)
+    rows = []
+    for name in args.only or list(SUITES):
+        for case in SUITES[name](shapes):
+            rows.append(run_case(case))
+            _print_row(rows[-1])
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    result = {
+        "command": shlex.join(["python", "-m", "kernels.bench", *(argv or sys.argv[1:])]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": _machine(),
+        "ceilings": {
+            "hbm_GBps": H200_HBM_BYTES_PER_S / 1e9,
+            "bf16_dense_TFLOPs": H200_BF16_FLOPS / 1e12,
+        },
+        "shapes": "tiny" if args.tiny else "deepseek_v3",
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
