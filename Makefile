@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve clean redis
 
 setup: $(STAMP) redis
 
@@ -48,7 +48,7 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine bench-kv bench-services bench-wide-ep
+bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve
 
 bench-kv: setup
 	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
@@ -61,9 +61,22 @@ bench-services: setup
 bench-wide-ep: setup
 	$(PY) loadtest/bench_wide_ep.py $(BENCH_ARGS)
 
+# AgentX-like sessions through `ferry up` at 1,2,4,8 live sessions x 30 s, 4 configurations
+# (~15 min) -> loadtest/results/serve-*.json, serve-pareto.png, serve-ttft.png
+bench-serve: setup
+	$(PY) loadtest/sweep.py $(BENCH_ARGS)
+
+# EPLB placement vs the published algorithm: balance, runtime, slots moved on drift (~1 min)
+bench-eplb: setup
+	$(PY) loadtest/bench_eplb.py $(BENCH_ARGS)
+
 # BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests (the full run takes ~1 h here)
 bench-engine: setup
 	$(PY) loadtest/bench_engine.py $(BENCH_ARGS)
+
+# each Triton kernel checked and timed at DeepSeek-V3 shapes (needs a CUDA GPU) -> loadtest/results/kernels.json
+bench-kernels: setup
+	$(PY) -m kernels.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

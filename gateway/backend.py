@@ -101,12 +101,15 @@ class Backend:
             call.cancel()  # a no-op once the stream has ended
 
     async def ready(self) -> tuple[bool, str]:
-        """Ready when the scheduler answers and sees a prefill and a decode worker."""
+        """Ready when the scheduler answers and sees an aggregated worker, or a prefill and a
+        decode worker."""
         try:
             reply = await self.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=2)
         except grpc.aio.AioRpcError as e:
             return False, f"scheduler at {self.config.scheduler}: {e.code().name}"
         roles = {w.info.role for w in reply.workers}
+        if "aggregated" in roles:
+            return True, "ok"
         missing = [r for r in ("prefill", "decode") if r not in roles]
         if missing:
             return False, f"no {' and no '.join(missing)} worker registered"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from infra import flags
 from services.engine.model.presets import PRESETS
 
-ROLES = ("prefill", "decode", "scheduler", "gateway")
+ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
@@ -40,14 +40,22 @@ def _serve(args: argparse.Namespace) -> int:
         cfg = sched.service
         configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
         service = Scheduler(sched)
+    elif args.role == "eplb":
+        from services.eplb_controller.service import EplbController
+
+        eplb = flags.eplb_config(args)
+        cfg = eplb.service
+        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
+        service = EplbController(eplb)
     else:
-        from services.decode_worker.service import DecodeWorker
+        from services.decode_worker.service import AggregatedWorker, DecodeWorker
         from services.prefill_worker.service import PrefillWorker
 
         worker = flags.worker_config(args)
         cfg = worker.service
         configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
-        service = PrefillWorker(worker) if args.role == "prefill" else DecodeWorker(worker)
+        kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}
+        service = kind[args.role](worker)
     return server.main(cfg, service)
 
 
@@ -60,17 +68,29 @@ def _up(args: argparse.Namespace) -> int:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.num_redundant_experts:
         worker += ["--num-redundant-experts", str(args.num_redundant_experts)]
+    if args.router_skew:
+        worker += ["--router-skew", str(args.router_skew)]
     gateway = ["--model", args.model, "--api-key", args.api_key]
     spec = ClusterSpec(
-        prefill=args.prefill, decode=args.decode, prefill_dep=args.prefill_dep,
-        decode_dep=args.decode_dep, host=args.host,
+        prefill=_pd_count(args.prefill, args.aggregated),
+        decode=_pd_count(args.decode, args.aggregated), aggregated=args.aggregated,
+        prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, host=args.host,
         scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url,
         cluster=args.cluster,
-        serve_args={"prefill": worker, "decode": worker, "gateway": gateway,
-                    "scheduler": ["--routing-policy", args.routing_policy]},
+        serve_args={"prefill": worker, "decode": worker, "aggregated": worker, "gateway": gateway,
+                    "scheduler": ["--routing-policy", args.routing_policy],
+                    "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)]},
     )  # fmt: skip
     return run(spec)
+
+
+def _pd_count(given: int | None, aggregated: int) -> int:
+    """Prefill or decode workers: as given, else 1, or 0 when aggregated workers are asked for
+    (``ferry up --aggregated 2`` is two aggregated workers and nothing else)."""
+    if given is not None:
+        return given
+    return 0 if aggregated else 1
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -96,11 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_export_preset)
 
     up = sub.add_parser("up", help="start a local cluster (redis + all services)")
-    flags.add(up, "--prefill", 1, "prefill workers")
-    flags.add(up, "--decode", 1, "decode workers")
+    flags.add(up, "--prefill", None, "prefill workers (default 1; 0 with --aggregated)", type=int)
+    flags.add(up, "--decode", None, "decode workers (default 1; 0 with --aggregated)", type=int)
+    flags.add(up, "--aggregated", 0, "aggregated workers (prefill and decode in one engine)")
     flags.add(up, "--prefill-dep", 1, "> 1: also a prefill DEP group of this many ranks")
     flags.add(up, "--decode-dep", 1, "> 1: also a decode DEP group of this many ranks")
     flags.add(up, "--num-redundant-experts", 0, "extra expert slots per MoE layer in a group")
+    flags.add(
+        up,
+        "--eplb-interval-steps",
+        1000,
+        "the EPLB controller rebalances a group every N steps (0: only on request)",
+    )
+    flags.add(up, "--router-skew", 0.0, "test knob: skew expert load on random weights")
     flags.add(up, "--model", "tiny", "preset (tiny, small) or HF checkpoint directory")
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
@@ -126,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_service_flags(p)
         if role == "scheduler":
             flags.add_scheduler_flags(p)
+        elif role == "eplb":
+            flags.add_eplb_flags(p)
         else:
             flags.add_engine_flags(p)
     serve.set_defaults(func=_serve)

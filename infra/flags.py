@@ -12,6 +12,7 @@ from services.common.config import ServiceConfig
 from services.common.worker import WorkerConfig
 from services.engine import EngineConfig
 from services.engine.config import DTYPES
+from services.eplb_controller.service import EplbConfig
 from services.kv_transfer.transport import transport_names
 from services.scheduler.policies import POLICIES
 from services.scheduler.service import SchedulerConfig
@@ -74,6 +75,27 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--dep-group", w.dep_group, "the group's name in Redis (default: the master address)")
     add(p, "--num-redundant-experts", w.num_redundant_experts, "extra expert slots per layer")
     add(p, "--dep-timeout", w.dep_timeout_s, "seconds before a silent rank fails its group")
+    add(p, "--router-skew", d.router_skew, "test knob: seeded router bias that skews expert load")
+
+
+def add_eplb_flags(p: argparse.ArgumentParser) -> None:
+    d = EplbConfig()
+    add(
+        p,
+        "--eplb-interval-steps",
+        d.interval_steps,
+        "rebalance every N group steps (0: on request)",
+    )
+    add(p, "--eplb-num-nodes", d.num_nodes, "nodes a group spans (hierarchical placement)")
+    add(p, "--eplb-min-gain", d.min_gain, "apply a placement only if balancedness gains this much")
+    add(p, "--eplb-poll", d.poll_s, "seconds between reads of the groups' expert load")
+
+
+def eplb_config(args: argparse.Namespace) -> EplbConfig:
+    return EplbConfig(
+        service=service_config(args), interval_steps=args.eplb_interval_steps,
+        num_nodes=args.eplb_num_nodes, min_gain=args.eplb_min_gain, poll_s=args.eplb_poll,
+    )  # fmt: skip
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -120,6 +142,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        router_skew=args.router_skew,
     )  # fmt: skip
     return WorkerConfig(
         service=service_config(args), engine=engine, kv_transport=args.kv_transport,

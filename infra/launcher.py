@@ -1,7 +1,8 @@
 """``ferry up``: a whole local cluster as child processes.
 
-Starts a private redis-server (unless a Redis URL is given), then the prefill and decode
-workers and the scheduler, each as ``ferry serve ROLE``; waits until every one answers its gRPC
+Starts a private redis-server (unless a Redis URL is given), then the prefill, decode and
+aggregated workers, the scheduler and (when there is a DEP group) the EPLB controller, each as
+``ferry serve ROLE``; waits until every one answers its gRPC
 health check; prints the endpoints; and on Ctrl-C / SIGTERM stops them all (scheduler first,
 redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG). A worker
 that dies is reported and the others go on serving; the exit code is then non-zero.
@@ -25,6 +26,8 @@ from infra.children import die_with_parent
 from infra.redis_server import free_port, start_redis
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
+WORKER_ROLES = ["prefill", "decode", "aggregated"]
+
 
 @dataclass
 class Child:
@@ -41,6 +44,7 @@ class ClusterSpec:
     decode: int = 1
     prefill_dep: int = 1  # > 1: also one prefill DEP group of this many ranks
     decode_dep: int = 1
+    aggregated: int = 0  # workers that prefill and decode in one engine
     host: str = "127.0.0.1"
     scheduler_port: int = 50052  # 0: any free port
     gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
@@ -66,7 +70,8 @@ class Launcher:
             self.redis = start_redis(port, s.host)
             self.redis_url = f"redis://{s.host}:{port}/0"
         for role, count, dep in (("prefill", s.prefill, s.prefill_dep),
-                                 ("decode", s.decode, s.decode_dep)):  # fmt: skip
+                                 ("decode", s.decode, s.decode_dep),
+                                 ("aggregated", s.aggregated, 1)):  # fmt: skip
             if dep > 1:  # one DEP group of `dep` ranks, besides `count` independent workers
                 master = f"{s.host}:{free_port(s.host)}"
                 for r in range(dep):
@@ -75,6 +80,8 @@ class Launcher:
             for i in range(count):
                 self._spawn(role, f"{role}-{i}")
         self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
+        if max(s.prefill_dep, s.decode_dep) > 1:  # a DEP group: balance its experts live
+            self._spawn("eplb", "eplb-0")
         self._wait_healthy()
         if s.gateway_port:
             self._spawn_gateway()
@@ -124,7 +131,7 @@ class Launcher:
 
     def _wait_scheduler_sees_workers(self, deadline: float) -> None:
         """Ready means servable: the scheduler's view holds every worker we started."""
-        workers = {c.name for c in self.children if c.role in ("prefill", "decode")}
+        workers = {c.name for c in self.children if c.role in WORKER_ROLES}
         for sched in (c for c in self.children if c.role == "scheduler"):
             with grpc.insecure_channel(sched.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -152,8 +159,8 @@ class Launcher:
         """Serve until asked to stop; returns 1 if any child died on its own, else 0.
 
         A dead worker is reported and the rest keep serving (the scheduler routes around it, as
-        it would in a real deployment). The cluster stops when the scheduler, redis, or the last
-        worker of a role is gone: nothing could be served any more.
+        it would in a real deployment). The cluster stops when the scheduler or redis is gone, or
+        when no aggregated worker and no prefill + decode pair is left: nothing could be served.
         """
         reported: set[str] = set()
         while not self._stop.wait(0.5):
@@ -170,18 +177,30 @@ class Launcher:
     def _fatal(self) -> str:
         if self.redis is not None and self.redis.poll() is not None:
             return "redis-server exited"
-        for role in ("gateway", "scheduler", "prefill", "decode"):
-            procs = [c.proc for c in self.children if c.role == role]
-            if procs and all(p.poll() is not None for p in procs):
+        for role in ("gateway", "scheduler", *WORKER_ROLES):
+            if self._gone(role) and (role in ("gateway", "scheduler") or not self._can_serve()):
                 return f"no {role} is left"
         return ""
+
+    def _gone(self, role: str) -> bool:
+        """Children of ``role`` were started and every one has exited."""
+        procs = [c.proc for c in self.children if c.role == role]
+        return bool(procs) and all(p.poll() is not None for p in procs)
+
+    def _can_serve(self) -> bool:
+        """An aggregated worker, or a prefill and a decode worker, is still running."""
+
+        def alive(role: str) -> bool:
+            return any(c.proc.poll() is None for c in self.children if c.role == role)
+
+        return alive("aggregated") or (alive("prefill") and alive("decode"))
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the scheduler, then the workers, then redis; SIGKILL what does not exit."""
-        for group in (["gateway"], ["scheduler"], ["prefill", "decode"]):
+        for group in (["gateway"], ["scheduler", "eplb"], WORKER_ROLES):
             procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
             _terminate(procs, grace_s)
         if self.redis is not None:

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -46,6 +46,20 @@ class WorkerRecord:
     dep_rank: int = -1
     pid: int = 0
     started_at: float = 0.0  # time.time()
+
+
+@dataclass(frozen=True)
+class ExpertLoadReport:
+    """What a DEP rank (or an independent worker) publishes every heartbeat for EPLB."""
+
+    counts: list[list[int]]  # [num_moe_layers, num_experts] tokens routed over the window
+    rows_total: list[int] = dataclasses.field(default_factory=list)  # per MoE layer, since start
+    steps_total: int = 0
+    placement_version: int = 0
+    placement_step: int = 0  # the group step at which that placement took effect
+    # [[group step, rows_total], ...]: snapshots every rank of a DEP group takes at the same steps
+    snapshots: list[list[Any]] = dataclasses.field(default_factory=list)
+    updated_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,23 +210,48 @@ class ClusterState:
                 views.append(WorkerView(record, _decode(LoadReport, load) if load else None))
         return sorted(views, key=lambda v: v.record.worker_id)
 
-    async def publish_expert_load(self, group: str, rank: int, counts: list[list[int]]) -> None:
-        """This rank's expert-load window under ``eplb:{group}:load`` (a hash, one field per
+    async def publish_expert_load(self, group: str, rank: int, report: ExpertLoadReport) -> None:
+        """This rank's expert-load report under ``eplb:{group}:load`` (a hash, one field per
         rank, expiring with the heartbeat TTL) for the EPLB controller."""
         key = self.key("eplb", group, "load")
-        value = json.dumps({"counts": counts, "updated_at": time.time()})
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, str(rank), value)
+        pipe.hset(key, str(rank), json.dumps(dataclasses.asdict(report)))
         pipe.pexpire(key, int(self.ttl_s * 1000))
-        try:
-            await pipe.execute()
-        except REDIS_DOWN as e:
-            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+        await self._run(pipe.execute())
 
     async def expert_load(self, group: str) -> dict[int, list[list[int]]]:
         """Every rank's last published window of ``group``."""
-        raw = await self.redis.hgetall(self.key("eplb", group, "load"))
-        return {int(rank): json.loads(v)["counts"] for rank, v in raw.items()}
+        return {rank: r.counts for rank, r in (await self.expert_load_reports(group)).items()}
+
+    async def expert_load_reports(self, group: str) -> dict[int, ExpertLoadReport]:
+        raw = await self._run(self.redis.hgetall(self.key("eplb", group, "load")))
+        names = {f.name for f in dataclasses.fields(ExpertLoadReport)}
+        reports = {}
+        for rank, value in raw.items():
+            d = json.loads(value)
+            reports[int(rank)] = ExpertLoadReport(**{k: v for k, v in d.items() if k in names})
+        return reports
+
+    async def save_placement(
+        self, group: str, version: int, slot_to_logical: list[list[int]]
+    ) -> None:
+        """The placement a group runs (``eplb:{group}:placement``), kept for a restarted controller."""
+        value = json.dumps({"version": version, "slot_to_logical": slot_to_logical,
+                            "updated_at": time.time()})  # fmt: skip
+        await self._run(self.redis.set(self.key("eplb", group, "placement"), value))
+
+    async def placement(self, group: str) -> tuple[int, list[list[int]]] | None:
+        raw = await self._run(self.redis.get(self.key("eplb", group, "placement")))
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return int(d["version"]), d["slot_to_logical"]
+
+    async def _run(self, aw: Awaitable[T]) -> T:
+        try:
+            return await aw
+        except REDIS_DOWN as e:
+            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
 
     async def server_id(self) -> str:
         """The Redis server's run id: it changes when Redis restarts (and forgets every key)."""

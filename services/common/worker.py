@@ -13,14 +13,18 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from protos import eplb_pb2_grpc
 from services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
+    ExpertLoadReport,
     LoadReport,
     WorkerRecord,
 )
 from services.common.config import ServiceConfig
 from services.common.log import get_logger
+from services.common.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
+from services.common.placement_service import PlacementServicer
 from services.common.server import Service
 from services.engine import AsyncEngine, Engine, EngineConfig
 from services.engine.expert_parallel import EPGroup
@@ -75,6 +79,13 @@ class EngineWorker(Service):
         self.kv_address = ""
         self._watch: asyncio.Task[None] | None = None
         self._publish: asyncio.Task[None] | None = None
+        if self.dep_group:  # (an instance attribute over the subclass's class attribute)
+            self.service_names = (*self.service_names, PLACEMENT_SERVICE)
+
+    def add_placement_service(self, server: grpc.aio.Server) -> None:
+        """A DEP rank also takes the EPLB controller's placement orders."""
+        if self.dep_group:
+            eplb_pb2_grpc.add_ExpertPlacementServicer_to_server(PlacementServicer(self), server)
 
     @staticmethod
     def _engine(config: WorkerConfig) -> Engine:
@@ -120,11 +131,18 @@ class EngineWorker(Service):
         group of an independent worker is the worker itself)."""
         group = self.dep_group or self.worker_id
         rank = self.config.dep_rank if self.dep_group else 0
+        eng = self.engine.engine
         while True:
             await asyncio.sleep(self.config.service.heartbeat_s)
-            counts = self.engine.engine.expert_load.window().tolist()
+            load = eng.expert_load
+            report = ExpertLoadReport(
+                counts=load.window().tolist(), rows_total=list(load.rows_total),
+                steps_total=load.steps_total, updated_at=time.time(),
+                placement_version=eng.rebalancer.version if eng.rebalancer else 0,
+                placement_step=eng.placement_step, snapshots=load.recent_snapshots(),
+            )  # fmt: skip
             with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
-                await self.cluster.publish_expert_load(group, rank, counts)
+                await self.cluster.publish_expert_load(group, rank, report)
 
     async def _watch_engine(self) -> None:
         """A dead engine (a DEP peer that stopped answering fails every collective) cannot

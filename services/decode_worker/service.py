@@ -5,6 +5,10 @@ blocks answers RESOURCE_EXHAUSTED so that the scheduler tries another. The pull 
 held under the import's key; the engine adopts them, so a cancelled or failed Decode at any
 point leaves no block behind. When the reader lags, the tokens of several steps go out as one
 TokenChunk.
+
+AggregatedWorker is the same service with one more case: a Decode without a ``kv_handle`` runs
+the prompt's prefill in this worker's own engine, then its decode, with no KV transfer (an
+"aggregated" deployment in vLLM's and Dynamo's terms).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ log = get_logger(__name__)
 class DecodeWorker(EngineWorker):
     role = "decode"
     service_names = ("ferry.v1.DecodeWorker",)
+    prefills = False  # True: a Decode without a kv_handle is prefilled here
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
@@ -38,6 +43,7 @@ class DecodeWorker(EngineWorker):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
+        self.add_placement_service(server)
 
     def importer(self, transport: str) -> KvImporter:
         """One importer (and endpoint pool) per transport that exporters offer."""
@@ -54,16 +60,16 @@ class DecodeWorker(EngineWorker):
             await imp.transport.close()
         await super().close()
 
-    def admission_error(self, handle: KvHandle) -> str | None:
-        """Why this worker cannot take a request now, or None."""
+    def admission_error(self, num_blocks: int) -> str | None:
+        """Why this worker cannot take a request whose prompt fills ``num_blocks`` now, or None."""
         load = self.engine.load
         limit = self.config.engine.max_num_seqs
         if load.running + load.waiting >= limit:
             return f"{self.worker_id} is full: {limit} requests running (max_num_seqs)"
-        if load.free_kv_blocks < handle.num_blocks + 1:
+        if load.free_kv_blocks < num_blocks + 1:
             return (
                 f"{self.worker_id} has {load.free_kv_blocks} free KV blocks; the request needs "
-                f"{handle.num_blocks + 1}"
+                f"{num_blocks + 1}"
             )
         return None
 
@@ -79,13 +85,24 @@ class DecodeWorker(EngineWorker):
         return importer.hold_key(handle)
 
 
+class AggregatedWorker(DecodeWorker):
+    """Prefill and decode of a request in one engine: nothing moves between workers. It serves
+    the DecodeWorker API; a Decode without a kv_handle is prefilled here (chunked, with the
+    prefix cache, batched with the running decodes), one with a kv_handle is a plain decode."""
+
+    role = "aggregated"
+    prefills = True
+
+
 def _parse(
-    request: decode_worker_pb2.DecodeRequest,
-) -> tuple[list[int], SamplingParams, KvHandle]:
-    if not request.HasField("kv_handle"):
+    request: decode_worker_pb2.DecodeRequest, prefills: bool
+) -> tuple[list[int], SamplingParams, KvHandle | None]:
+    """The request's prompt, sampling params and KV handle (None: prefill it here)."""
+    if not request.HasField("kv_handle") and not prefills:
         raise ValueError("kv_handle is missing")
     params = convert.sampling_params_from_pb(request.sampling_params)
-    return list(request.prompt_token_ids), params, convert.kv_handle_from_pb(request.kv_handle)
+    handle = convert.kv_handle_from_pb(request.kv_handle) if request.HasField("kv_handle") else None
+    return list(request.prompt_token_ids), params, handle
 
 
 class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
@@ -99,21 +116,24 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         with bind_request(rid):
             try:
-                ids, params, handle = _parse(request)
+                ids, params, handle = _parse(request, w.prefills)
                 w.engine.engine.validate(ids, params)
             except ValueError as e:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            busy = w.admission_error(handle)
+            num_blocks = handle.num_blocks if handle else w.engine.engine.kv.blocks_needed(len(ids))
+            busy = w.admission_error(num_blocks)
             if busy is not None:
                 metrics.REJECTED.inc()
                 await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
             key = ""
             w._active.add(rid)
             try:
-                key = await w.pull(handle, context)
-                imported = ImportedKv(key, request.first_token_id,
-                                      convert.logprobs_from_pb(request.first_logprobs),
-                                      request.num_cached_tokens)  # fmt: skip
+                imported = None
+                if handle is not None:
+                    key = await w.pull(handle, context)
+                    imported = ImportedKv(key, request.first_token_id,
+                                          convert.logprobs_from_pb(request.first_logprobs),
+                                          request.num_cached_tokens)  # fmt: skip
                 async for outs in w.engine.stream(ids, params, rid, imported=imported):
                     metrics.COALESCED.observe(len(outs))
                     yield convert.chunk_from_outputs(outs)

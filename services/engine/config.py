@@ -24,6 +24,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = "cpu"
     seed: int = 0  # for requests that sample without a seed of their own
+    # Test knob: skew the router on purpose (seeded; see DeepseekV3ForCausalLM.skew_routing), so
+    # that expert load is uneven on random weights and EPLB has something to balance.
+    router_skew: float = 0.0
 
     def __post_init__(self) -> None:
         if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
@@ -40,6 +43,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.router_skew < 0:
+            raise ValueError("router_skew must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

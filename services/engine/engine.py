@@ -20,6 +20,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.expert_load import ExpertLoad
 from services.engine.expert_parallel import EPGroup
+from services.engine.expert_rebalance import Rebalancer
 from services.engine.experts import ExpertPlacement
 from services.engine.kv_cache import KVCacheManager
 from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
@@ -29,6 +30,8 @@ from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
 from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many group steps
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,15 @@ class Engine:
         self.model: DeepseekV3ForCausalLM = load_model(
             config.model, config.torch_dtype, config.device, placement
         )
+        if config.router_skew:
+            self.model.skew_routing(config.router_skew)
         self.ep_group = ep_group
+        self.rebalancer: Rebalancer | None = None  # applies EPLB's placement orders
+        self.group_steps = 0  # lockstep steps of the DEP group, idle ones included
+        self.placement_step = 0  # the group step at which the current placement took effect
         if ep_group is not None:
             self.model.attach_ep_group(ep_group)
+            self.rebalancer = Rebalancer(self.model, ep_group)
         mc = self.model.config
         self.expert_load = ExpertLoad(mc.num_moe_layers, mc.n_routed_experts)
         self.model.attach_expert_load(self.expert_load)
@@ -198,7 +207,16 @@ class Engine:
         plan = self.planner.plan()
         self.num_preemptions += len(plan.preempted)
         if self.ep_group is not None:  # lockstep: every rank steps when any rank has work
-            if not self.ep_group.any(bool(plan)):
+            assert self.rebalancer is not None
+            work, agreed = self.ep_group.agree(bool(plan), self.rebalancer.offered)
+            version = self.rebalancer.version
+            self.rebalancer.advance(agreed)  # moves experts, on every rank at the same step
+            self.group_steps += 1  # the same count on every rank of the group
+            if self.rebalancer.version != version:
+                self.placement_step = self.group_steps
+            if self.group_steps % SNAPSHOT_STEPS == 0:
+                self.expert_load.snapshot(self.group_steps)
+            if not work:
                 return []
             if not plan:  # this rank is idle: it still takes part in every MoE exchange
                 self.model.idle_moe_pass()
@@ -310,9 +328,10 @@ class Engine:
 def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
     """Names the model and cache layout: blocks hashed under one fingerprint are reusable only
     by an engine with the same one."""
+    skew = {"router_skew": config.router_skew} if config.router_skew else {}
     desc = json.dumps(
         {"model": config.model, "dtype": config.dtype, "block_size": config.block_size,
-         "config": model.config.to_hf_dict()},
+         **skew, "config": model.config.to_hf_dict()},
         sort_keys=True,
     )  # fmt: skip
     return hashlib.sha256(desc.encode()).hexdigest()[:16]

@@ -26,6 +26,13 @@ class ExpertLoad:
         self._current: torch.Tensor | None = None  # the bucket being filled, on the device
         self._steps_in_current = 0
         self._lock = threading.Lock()  # the engine thread adds, a heartbeat reads
+        # Since start, on the host: steps, and (token, choice) rows this rank's experts computed
+        # per MoE layer (on a DEP rank, what the rank's share of the group's load really was).
+        self.steps_total = 0
+        self.rows_total = [0] * num_moe_layers
+        # (group step, rows_total) every SNAPSHOT_STEPS lockstep steps of a DEP group: the ranks
+        # of a group take theirs at the same steps, so the controller can compare like with like
+        self.snapshots: deque[tuple[int, list[int]]] = deque(maxlen=8)
 
     def add(self, moe_layer: int, logical_ids: torch.Tensor) -> None:
         """One layer's routing this step: ``logical_ids`` [tokens, top_k]."""
@@ -36,7 +43,20 @@ class ExpertLoad:
         self._current[moe_layer] += torch.bincount(logical_ids.reshape(-1),
                                                    minlength=self.shape[1])  # fmt: skip
 
+    def add_rows(self, moe_layer: int, rows: int) -> None:
+        self.rows_total[moe_layer] += rows
+
+    def snapshot(self, group_step: int) -> None:
+        with self._lock:
+            self.snapshots.append((group_step, list(self.rows_total)))
+
+    def recent_snapshots(self) -> list[list[object]]:
+        """[[group step, rows_total], ...], oldest first (any thread)."""
+        with self._lock:
+            return [[step, rows] for step, rows in self.snapshots]
+
     def end_step(self) -> None:
+        self.steps_total += 1
         self._steps_in_current += 1
         if self._steps_in_current < self.bucket_steps or self._current is None:
             return

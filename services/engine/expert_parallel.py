@@ -44,6 +44,13 @@ class EPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
+    def agree(self, flag: bool, offer: int) -> tuple[bool, int]:
+        """One collective for the start of a lockstep step: whether ``flag`` is true on any
+        rank, and the smallest ``offer`` of all ranks."""
+        t = torch.tensor([int(flag), -offer])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t[0].item()), -int(t[1].item())
+
     def close(self) -> None:
         """Leave the group together: a rank that tears its sockets down while a peer still
         reads its last exchange can abort that peer."""

@@ -43,6 +43,7 @@ class PrefillWorker(EngineWorker):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self), server)
+        self.add_placement_service(server)
 
     async def start(self, address: str, metrics_port: int) -> None:
         svc = self.config.service
@@ -77,6 +78,9 @@ class PrefillWorker(EngineWorker):
         result = prefill_worker_pb2.PrefillResult(
             request_id=rid, first=convert.chunk_from_outputs([out])
         )
+        # NOTE: usage even when the request goes on: it tells the decode worker (and so the
+        # client, on the last chunk) how many prompt tokens came from the prefix cache
+        result.first.usage.CopyFrom(convert.usage_of(out))
         if out.kv_hold is not None:
             svc = self.config.service
             handle = self.exporter.export_hold(out.kv_hold, len(ids), svc.public_host,

@@ -102,8 +102,10 @@ class ClusterView:
         self._suspects[worker_id] = time.monotonic()
 
     def max_model_len(self) -> int:
-        """The smallest length limit among prefill workers (0 when none is registered)."""
-        lens = [v.record.max_model_len for v in self.workers("prefill") if v.record.max_model_len]
+        """The smallest length limit among the workers a request starts on, prefill and
+        aggregated (0 when none is registered)."""
+        lens = [v.record.max_model_len for v in self.workers()
+                if v.record.role in ("prefill", "aggregated") and v.record.max_model_len]  # fmt: skip
         return min(lens, default=0)
 
 

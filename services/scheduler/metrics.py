@@ -10,3 +10,6 @@ TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )  # fmt: skip
 GENERATED_TOKENS = Counter("ferry_scheduler_generated_tokens_total", "Tokens streamed to clients")
+PROMPT_TOKENS = Counter("ferry_scheduler_prompt_tokens_total", "Prompt tokens of finished requests")
+CACHED_TOKENS = Counter("ferry_scheduler_cached_tokens_total", "... of them from a prefix cache")
+PATHS = Counter("ferry_scheduler_path_requests_total", "Requests by path", ["path"])

@@ -1,4 +1,5 @@
-"""Routing policies: which prefill and which decode worker serve a request.
+"""Routing policies: which prefill and which decode worker, or which aggregated worker,
+serve a request.
 
 A policy sees each live worker's last load report (at most a heartbeat old) corrected by what
 this scheduler has routed there since that report (``Candidate.routed_*``), so that a burst of
@@ -46,6 +47,11 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def pick_decode(self, candidates: list[Candidate], request: RouteRequest) -> Candidate: ...
 
+    def pick_aggregated(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        """An aggregated worker keeps a request's KV to the end, as a decode worker does: by
+        default it is picked like one."""
+        return self.pick_decode(candidates, request)
+
 
 POLICIES: dict[str, type[RoutingPolicy]] = {}
 
@@ -85,13 +91,25 @@ class LeastLoaded(RoutingPolicy):
 
         return min(candidates, key=room)
 
+    def pick_aggregated(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        """Fewest requests (its prefills and decodes share one batch), then fewest queued
+        prompt tokens, then most free KV blocks."""
+
+        def busy(c: Candidate) -> tuple[int, int, int, str]:
+            load = c.load
+            return (load.running + load.waiting + c.routed_requests,
+                    load.queued_prefill_tokens + c.routed_tokens,
+                    c.routed_blocks - load.free_kv_blocks, c.worker_id)  # fmt: skip
+
+        return min(candidates, key=busy)
+
 
 @register("round_robin")
 class RoundRobin(RoutingPolicy):
     """Each role's workers in turn (in worker id order), whatever their load."""
 
     def __init__(self) -> None:
-        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._turn = {role: itertools.count() for role in ("prefill", "decode", "aggregated")}
 
     def _next(self, role: str, candidates: list[Candidate]) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.worker_id)
@@ -102,3 +120,6 @@ class RoundRobin(RoutingPolicy):
 
     def pick_decode(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
         return self._next("decode", candidates)
+
+    def pick_aggregated(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        return self._next("aggregated", candidates)

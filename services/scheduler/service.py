@@ -1,4 +1,11 @@
-"""Scheduler over gRPC: ``Generate`` runs one request through prefill, KV transfer and decode.
+"""Scheduler over gRPC: ``Generate`` runs one request through prefill, KV transfer and decode,
+or on one aggregated worker.
+
+Aggregated workers come first: when one is registered, the request goes to it (the routing
+policy picks which), and its one engine prefills and decodes it; no KV moves. When every
+aggregated worker refuses (full or down) before streaming anything and prefill workers are
+registered, the request takes the disaggregated path below; with no aggregated worker it always
+does. So a mixed cluster fills its aggregated workers first and spills over to P/D pairs.
 
 1. Pick a prefill worker (the routing policy, over the ClusterView) and call ``Prefill``; when
    the worker is down or full, retry on another one (bounded, with backoff): nothing has been
@@ -122,15 +129,56 @@ class Scheduler(Service):
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         route = await self._route_request(request, rid)
         started = time.perf_counter()
+        first = True
+        async for chunk in self._serve(request, rid, route):
+            if first:
+                metrics.TTFT.observe(time.perf_counter() - started)
+                first = False
+            metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+            if chunk.finish_reason:
+                metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
+                metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
+            yield chunk
+
+    async def _serve(
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        """On an aggregated worker when there is one; else, or when every aggregated worker
+        refused before streaming and there are prefill workers, prefill then decode."""
+        if self.view.workers("aggregated"):
+            msg = decode_worker_pb2.DecodeRequest(request_id=rid,
+                                                  prompt_token_ids=request.prompt_token_ids,
+                                                  sampling_params=request.sampling_params)  # fmt: skip
+            streamed = False
+            try:
+                async for chunk in self._stream("aggregated", msg, route):
+                    if not streamed:  # taken: no falling back from here on
+                        metrics.PATHS.labels("aggregated").inc()
+                        streamed = True
+                    yield chunk
+                return
+            except Failed as f:
+                if streamed or f.code not in RETRYABLE or not self.view.workers("prefill"):
+                    raise
+                log.info("no aggregated worker took the request; prefill then decode",
+                         code=f.code.name)  # fmt: skip
+        metrics.PATHS.labels("disaggregated").inc()
+        async for chunk in self._disaggregated(request, rid, route):
+            yield chunk
+
+    async def _disaggregated(
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
         result, prefill = await self._prefill(request, rid, route)
-        metrics.TTFT.observe(time.perf_counter() - started)
-        metrics.GENERATED_TOKENS.inc(len(result.first.token_ids))
-        yield result.first
-        if result.first.finish_reason:
+        first = result.first
+        if first.finish_reason:
+            yield first
             return
+        decode = _decode_request(request, rid, result)
+        first.ClearField("usage")  # clients get usage on the last chunk only
+        yield first
         try:
-            async for chunk in self._decode(request, rid, route, result):
-                metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+            async for chunk in self._stream("decode", decode, route):
                 yield chunk
         finally:  # a no-op once a decode worker pulled it; frees it when none did
             await self._release(prefill, result.kv_handle.transfer_id)
@@ -145,10 +193,11 @@ class Scheduler(Service):
             params = convert.sampling_params_from_pb(request.sampling_params)
         except ValueError as e:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        if not self.view.workers("prefill"):
+        if not self._entry_workers():
             await self.view.refresh()  # the view is refresh_s old: a worker may have just joined
-        if not self.view.workers("prefill"):
-            raise Failed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is registered")
+        if not self._entry_workers():
+            raise Failed(grpc.StatusCode.UNAVAILABLE,
+                         "no prefill or aggregated worker is registered")  # fmt: skip
         limit = self.view.max_model_len()
         if n + (params.max_tokens or 0) > limit or n >= limit:
             raise Failed(
@@ -156,8 +205,12 @@ class Scheduler(Service):
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"limit of {limit} tokens",
             )
-        block_size = self.view.workers("prefill")[0].record.block_size or 1
+        block_size = self._entry_workers()[0].record.block_size or 1
         return RouteRequest(rid, n, -(-n // block_size))
+
+    def _entry_workers(self) -> list[WorkerView]:
+        """The workers a request can start on: aggregated ones first, then prefill ones."""
+        return self.view.workers("aggregated") + self.view.workers("prefill")
 
     async def _prefill(
         self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
@@ -178,36 +231,27 @@ class Scheduler(Service):
                 )
         raise AssertionError("unreachable: the last attempt raises")
 
-    async def _decode(
-        self,
-        request: scheduler_pb2.GenerateRequest,
-        rid: str,
-        route: RouteRequest,
-        result: prefill_worker_pb2.PrefillResult,
+    async def _stream(
+        self, role: str, msg: decode_worker_pb2.DecodeRequest, route: RouteRequest
     ) -> AsyncIterator[common_pb2.TokenChunk]:
-        first = result.first
-        msg = decode_worker_pb2.DecodeRequest(
-            request_id=rid, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params, first_token_id=first.token_ids[0],
-            first_logprobs=first.logprobs[0] if first.logprobs else None,
-            kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
-        )  # fmt: skip
+        """Stream ``msg``'s Decode from a worker of ``role`` (decode: the KV waits under its
+        lease; aggregated: it prefills too). A worker that refuses or is down before it sent
+        anything is replaced by another."""
+        tokens = route.num_prompt_tokens if role == "aggregated" else 0
         tried: dict[str, Failed] = {}
         for attempt in range(self.config.max_attempts):
-            cand = await self._pick("decode", tried, route)
+            cand = await self._pick(role, tried, route)
             stub = decode_worker_pb2_grpc.DecodeWorkerStub(self.channel(cand.record.address))
             call = stub.Decode(msg)
             streamed = False
             try:
-                with self.view.routed(cand.worker_id, blocks=route.num_blocks + 1):
+                with self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1):
                     async for chunk in call:
                         streamed = True
                         yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                tried[cand.worker_id] = await self._after_failure(
-                    "decode", cand, e, attempt, streamed
-                )
+                tried[cand.worker_id] = await self._after_failure(role, cand, e, attempt, streamed)
             finally:
                 call.cancel()  # a no-op when the stream has ended
 
@@ -220,9 +264,9 @@ class Scheduler(Service):
             if tried:  # every worker failed: the last failure says why
                 raise list(tried.values())[-1]
             raise Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
-        if role == "prefill":
-            return self.policy.pick_prefill(cands, route)
-        return self.policy.pick_decode(cands, route)
+        pick = {"prefill": self.policy.pick_prefill, "decode": self.policy.pick_decode,
+                "aggregated": self.policy.pick_aggregated}[role]  # fmt: skip
+        return pick(cands, route)
 
     async def _after_failure(
         self, stage: str, cand: Candidate, e: grpc.aio.AioRpcError, attempt: int, streamed: bool
@@ -256,6 +300,19 @@ class Scheduler(Service):
         for view in self.view.workers():
             reply.workers.append(_worker_status(view))
         return reply
+
+
+def _decode_request(
+    request: scheduler_pb2.GenerateRequest, rid: str, result: prefill_worker_pb2.PrefillResult
+) -> decode_worker_pb2.DecodeRequest:
+    """The Decode that continues a prefill: its first token and the handle of its KV."""
+    first = result.first
+    return decode_worker_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params, first_token_id=first.token_ids[0],
+        first_logprobs=first.logprobs[0] if first.logprobs else None,
+        kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
+    )  # fmt: skip
 
 
 def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:

@@ -67,9 +67,12 @@ def test_status_without_redis_is_an_error_that_names_the_url() -> None:
 def test_status_lists_registered_workers() -> None:
     async def main(url: str) -> tuple[subprocess.CompletedProcess[str], ...]:
         state = ClusterState(url, "cli")
-        load = LoadReport(running=2, free_kv_blocks=40, total_kv_blocks=64, cached_kv_blocks=8,
-                          updated_at=time.time())  # fmt: skip
-        await state.register(WorkerRecord("decode-7", "decode", "127.0.0.1:9"), lambda: load)
+
+        def load() -> LoadReport:  # fresh every heartbeat, as a worker's is
+            return LoadReport(running=2, free_kv_blocks=40, total_kv_blocks=64,
+                              cached_kv_blocks=8, updated_at=time.time())  # fmt: skip
+
+        await state.register(WorkerRecord("decode-7", "decode", "127.0.0.1:9"), load)
         try:
             return await asyncio.gather(
                 asyncio.to_thread(_ferry, "status", "--redis-url", url, "--cluster", "cli"),

@@ -53,3 +53,17 @@ def test_round_robin_cycles_per_role_in_worker_id_order() -> None:
     ds = [cand(w, "decode", free_kv_blocks=99 if w == "d0" else 0) for w in ("d0", "d1", "d2")]
     assert [policy.pick_prefill(ps, REQ).worker_id for _ in range(4)] == ["p0", "p1"] * 2
     assert [policy.pick_decode(ds, REQ).worker_id for _ in range(4)] == ["d0", "d1", "d2", "d0"]
+
+
+def test_aggregated_workers_are_picked_by_requests_then_queued_tokens_then_room() -> None:
+    least = create_policy("least_loaded")
+    a = cand("a", "aggregated", running=3, free_kv_blocks=90)
+    b = cand("b", "aggregated", running=1, queued_prefill_tokens=800, free_kv_blocks=10)
+    assert least.pick_aggregated([a, b], REQ).worker_id == "b"
+    c = cand("c", "aggregated", running=1, queued_prefill_tokens=100, free_kv_blocks=10)
+    assert least.pick_aggregated([b, c], REQ).worker_id == "c"
+    d = cand("d", "aggregated", running=1, queued_prefill_tokens=100, free_kv_blocks=50)
+    assert least.pick_aggregated([c, d], REQ).worker_id == "d"
+    rr = create_policy("round_robin")
+    ws = [cand(w, "aggregated") for w in ("g1", "g0")]
+    assert [rr.pick_aggregated(ws, REQ).worker_id for _ in range(3)] == ["g0", "g1", "g0"]

@@ -90,6 +90,16 @@ class DeepseekV3ForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.expert_load = load
 
+    def skew_routing(self, skew: float) -> None:
+        """A test knob: add a seeded ``skew * N(0, 1)`` per expert to every MoE layer's
+        correction bias, which steers which experts the router picks (not their weights), so
+        that a few experts get most tokens, as in real traffic. The same in every process."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                gen = torch.Generator().manual_seed(1000 + layer.mlp.moe_layer)
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias += skew * torch.randn(bias.shape, generator=gen).to(bias.device)
+
     def idle_moe_pass(self) -> None:
         """A DEP rank with nothing to run this step: join every MoE layer's exchange with no
         tokens, in layer order, so that the other ranks' steps can complete."""

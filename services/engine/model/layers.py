@@ -198,6 +198,8 @@ class MoE(nn.Module):
             out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
         else:  # the slots live on several ranks: send the rows there and back
             d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)
+            if self.expert_load is not None:
+                self.expert_load.add_rows(self.moe_layer, d.hidden.shape[0])
             y = ops.fused_moe(d.hidden, self.experts.w13, self.experts.w2, d.weights[:, None],
                               d.local_slots[:, None])  # fmt: skip
             out = combine(y, d, self.ep_group)

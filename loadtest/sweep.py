@@ -1,0 +1,501 @@
+"""Serving benchmark: AgentX-like agentic sessions at a list of concurrencies, per cluster
+configuration, and the Pareto plots (``make bench-serve``).
+
+For each configuration the sweep starts a cluster with ``ferry up``, warms it up, then runs
+Locust headless (``locustfile.py``) once per concurrency for a fixed time (concurrency = live
+sessions = Locust users). Every configuration replays the same trace (one written per sweep,
+seeded), and each concurrency plays its own range of sessions, so no level starts with another
+level's contexts in the prefix cache while the configurations see the same requests.
+
+Per level it reports, from the client's per-request log: requests and failures, output tokens/s
+(in all and per worker process), tokens/s per user (1 / median TPOT: interactivity), TTFT, TPOT,
+ITL and end-to-end latency percentiles, goodput (the share of requests meeting ``--ttft-slo``
+and ``--tpot-slo``) and the prefix-cache hit rate the clients saw; and from the servers: the
+scheduler's prefix-cache hit rate, KV cache usage (sampled from the load reports in Redis),
+KV bytes moved, and expert balancedness where a service exports it.
+
+Writes ``loadtest/results/serve-<config>.json`` per configuration, and for the configurations of
+this run ``serve-pareto.png`` (output tokens/s per worker process against tokens/s per user, one
+curve per configuration) and ``serve-ttft.png`` (TTFT p50 and p99 against concurrency).
+
+    python loadtest/sweep.py                      # 4 configurations x 1,2,4,8 sessions x 30 s
+    python loadtest/sweep.py --configs agg,1p1d --concurrency 1,4 --duration 20
+    python loadtest/sweep.py --plot-only          # redraw from the results' JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from agentx import WorkloadConfig, generate_sessions, summary, write_trace
+from prometheus_client.parser import text_string_to_metric_families
+
+from infra.redis_server import free_port
+from services.common.cluster_state import ClusterState
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER_ROLES = ("prefill", "decode", "aggregated")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    name: str
+    description: str
+    args: tuple[str, ...]  # `ferry up` flags
+
+
+CONFIGS = {c.name: c for c in (
+    ClusterConfig("agg", "1 aggregated worker (prefill and decode in one engine)",
+                  ("--aggregated", "1")),
+    ClusterConfig("1p1d", "1 prefill + 1 decode worker", ("--prefill", "1", "--decode", "1")),
+    ClusterConfig("1p2d", "1 prefill + 2 decode workers", ("--prefill", "1", "--decode", "2")),
+    ClusterConfig("1p-dep2", "1 prefill worker + a 2-rank DEP decode group",
+                  ("--prefill", "1", "--decode", "0", "--decode-dep", "2")),
+)}  # fmt: skip
+
+
+# ---- the cluster -------------------------------------------------------------------------
+@dataclass
+class RunningCluster:
+    config: ClusterConfig
+    proc: subprocess.Popen[bytes]
+    http: str  # http://host:port of the OpenAI API
+    grpc: str  # host:port of the public gRPC API
+    redis_url: str
+    cluster: str
+    log: Path
+
+    def read(self, query: Any) -> Any:
+        async def run() -> Any:
+            state = ClusterState(self.redis_url, self.cluster)
+            try:
+                return await query(state)
+            finally:
+                await state.close()
+
+        return asyncio.run(run())
+
+    def worker_processes(self) -> int:
+        views = self.read(lambda s: s.workers())
+        return sum(v.record.role in WORKER_ROLES for v in views)
+
+    def metrics(self) -> dict[str, float]:
+        """Every registered service's Prometheus samples, summed over the services."""
+        views = self.read(lambda s: s.workers())
+        totals: dict[str, float] = {}
+        for v in views:
+            if v.record.metrics_port > 0:
+                for key, value in scrape(f"http://127.0.0.1:{v.record.metrics_port}/metrics"):
+                    totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+
+def scrape(url: str) -> Iterator[tuple[str, float]]:
+    """(sample name{labels}, value) of one /metrics page (nothing when it cannot be read)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            yield (f"{s.name}{{{labels}}}" if labels else s.name), float(s.value)
+
+
+@contextmanager
+def ferry_up(config: ClusterConfig, model: str, work_dir: Path) -> Iterator[RunningCluster]:
+    """``ferry up`` with this configuration on free ports; its output goes to a log file."""
+    http, grpc_port, sched = free_port(), free_port(), free_port()
+    cluster = f"bench-{config.name}"
+    cmd = [sys.executable, "-m", "infra.cli", "up", *config.args, "--model", model,
+           "--port", str(http), "--grpc-port", str(grpc_port), "--scheduler-port", str(sched),
+           "--cluster", cluster]  # fmt: skip
+    log = work_dir / f"ferry-up-{config.name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        redis_url = _wait_ready(proc, log)
+        yield RunningCluster(config, proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}",
+                             redis_url, cluster, log)  # fmt: skip
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300.0) -> str:
+    """Wait for `ferry up: ready`; returns the Redis URL it printed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "ferry up: ready" in text:
+            line = next(ln for ln in text.splitlines() if ln.strip().startswith("redis "))
+            return line.split()[1]
+        if proc.poll() is not None:
+            raise RuntimeError(f"ferry up exited with {proc.returncode}; see {log}")
+        time.sleep(0.5)
+    raise RuntimeError(f"ferry up not ready after {timeout_s:.0f}s; see {log}")
+
+
+def warm_up(cluster: RunningCluster, model: str, n: int) -> None:
+    """``n`` short concurrent requests, so that no measured request pays a first call's costs."""
+    body = json.dumps({"model": model, "max_tokens": 16, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "warm up " * 64}]}).encode()  # fmt: skip
+
+    def one() -> None:
+        req = urllib.request.Request(f"{cluster.http}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as reply:
+            reply.read()
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# ---- one level -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Level:
+    concurrency: int
+    sessions: tuple[int, int]  # [start, stop) of the trace's sessions
+
+
+class KvSampler:
+    """Samples every worker's KV usage (blocks in use / total) from its load reports."""
+
+    def __init__(self, cluster: RunningCluster, every_s: float = 0.5) -> None:
+        self.cluster, self.every_s = cluster, every_s
+        self.samples: list[list[float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        state = ClusterState(self.cluster.redis_url, self.cluster.cluster)
+        try:
+            while not self._stop.is_set():
+                views = await state.workers()
+                self.samples.append([1 - v.load.free_kv_blocks / v.load.total_kv_blocks
+                                     for v in views if v.record.role in WORKER_ROLES
+                                     and v.load is not None and v.load.total_kv_blocks])  # fmt: skip
+                await asyncio.sleep(self.every_s)
+        finally:
+            await state.close()
+
+    def __enter__(self) -> KvSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def stats(self) -> dict[str, float]:
+        flat = [x for s in self.samples for x in s]
+        return {"kv_usage_mean": float(np.mean(flat)) if flat else 0.0,
+                "kv_usage_max": max(flat, default=0.0)}  # fmt: skip
+
+
+def run_locust(
+    cluster: RunningCluster, level: Level, trace: Path, args: argparse.Namespace, work_dir: Path
+) -> list[dict[str, Any]]:
+    """Locust headless at this level; returns its per-request log (summary line last)."""
+    c = level.concurrency
+    prefix = work_dir / f"{cluster.config.name}-c{c}"
+    cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
+           "-u", str(c), "-r", str(c), "-t", f"{args.duration}s", "-s", "120",
+           "--host", cluster.http, "--only-summary", "--csv", str(prefix), "--loglevel", "WARNING",
+           "--agentx-trace", str(trace), "--agentx-sessions", f"{level.sessions[0]}:{level.sessions[1]}",
+           "--agentx-log", f"{prefix}.jsonl", "--agentx-grpc-host", cluster.grpc,
+           "--agentx-model", args.model, USER_CLASSES[args.api]]  # fmt: skip
+    with open(f"{prefix}.locust.log", "wb") as out:
+        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=HERE, check=False)
+    return [json.loads(line) for line in Path(f"{prefix}.jsonl").read_text().splitlines()]
+
+
+USER_CLASSES = {"chat": "AgentChatUser", "grpc": "AgentGrpcUser"}
+
+
+def measure_level(
+    cluster: RunningCluster, level: Level, trace: Path, args: argparse.Namespace, workers: int,
+    work_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    load_before = os.getloadavg()[0]
+    before = cluster.metrics()
+    with KvSampler(cluster) as kv:
+        log = run_locust(cluster, level, trace, args, work_dir)
+    after = cluster.metrics()
+    rows, tail = [r for r in log if "summary" not in r], [r for r in log if "summary" in r]
+    result = {"concurrency": level.concurrency, "sessions": list(level.sessions),
+              "load_average_1m_before": load_before,
+              **level_stats(rows, workers, args.ttft_slo, args.tpot_slo)}  # fmt: skip
+    result["started"] = tail[0]["summary"]["started"] if tail else None
+    result["unfinished"] = (result["started"] or 0) - len(rows)
+    result["server"] = {**server_stats(before, after), **kv.stats()}
+    return result
+
+
+def level_stats(
+    rows: list[dict[str, Any]], workers: int, ttft_slo: float, tpot_slo: float
+) -> dict[str, Any]:
+    """The client-side figures of one level from its per-request log rows."""
+    ok = [r for r in rows if r["ok"]]
+    if not ok:
+        return {"requests": len(rows), "failed": len(rows)}
+    span = max(r["sent_at"] + r["e2e"] for r in rows) - min(r["sent_at"] for r in rows)
+    tokens = sum(r["completion_tokens"] for r in ok)
+    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
+    good = [r for r in ok if r["ttft"] <= ttft_slo and (r["tpot"] or 0) <= tpot_slo]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "requests": len(rows),
+        "failed": len(rows) - len(ok),
+        "seconds": span,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / span,
+        "output_tokens_per_s_per_worker": tokens / span / workers,
+        "tokens_per_s_per_user": 1 / float(np.median(tpots)) if tpots else None,
+        "ttft_s": percentiles([r["ttft"] for r in ok]),
+        "tpot_s": percentiles(tpots),
+        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_s": percentiles([r["e2e"] for r in ok]),
+        "goodput": len(good) / len(rows),
+        "prompt_tokens_mean": prompt / len(ok),
+        "prompt_tokens_max": max(r["prompt_tokens"] for r in ok),
+        "prefix_cache_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt,
+    }
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    out = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+    out["mean"] = float(np.mean(values))
+    return out
+
+
+def server_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What the services' own metrics say about the level (counters as differences)."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    prompt = delta("ferry_scheduler_prompt_tokens_total")
+    ttft_n = delta("ferry_time_to_first_token_seconds_count")
+    out: dict[str, Any] = {
+        "prefix_cache_hit_rate": delta("ferry_scheduler_cached_tokens_total") / prompt
+        if prompt else None,
+        "ttft_mean_s": delta("ferry_time_to_first_token_seconds_sum") / ttft_n if ttft_n else None,
+        "kv_transfer_bytes": sum(after[k] - before.get(k, 0.0) for k in after
+                                 if k.startswith("ferry_kv_transfer_bytes_total")),
+        "retries": sum(after[k] - before.get(k, 0.0) for k in after
+                       if k.startswith("ferry_scheduler_retries_total")),
+    }  # fmt: skip
+    balance = {k: v for k, v in after.items() if "balancedness" in k}
+    if balance:  # present when a service exports it (the EPLB controller, DEP groups)
+        out["expert_balancedness"] = balance
+    return out
+
+
+# ---- the sweep -----------------------------------------------------------------------------
+def plan_levels(concurrencies: list[int], duration_s: float) -> list[Level]:
+    """Each level its own sessions: enough that none runs out (a session takes > 2 s)."""
+    levels, start = [], 0
+    for c in concurrencies:
+        n = c * (math.ceil(duration_s / 2) + 1)
+        levels.append(Level(c, (start, start + n)))
+        start += n
+    return levels
+
+
+def machine_info(note: str) -> dict[str, Any]:
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    kib = next((int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemTotal")), 0)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
+                  if ln.startswith("model name")), platform.processor())  # fmt: skip
+    return {"cpus": os.cpu_count(), "memory_gib": round(kib / 2**20, 1), "cpu_model": model,
+            "gpu": None, "python": platform.python_version(), "torch": metadata.version("torch"),
+            "load_average_1m_at_start": os.getloadavg()[0], "note": note}  # fmt: skip
+
+
+def sweep_config(
+    config: ClusterConfig, levels: list[Level], trace: Path, args: argparse.Namespace,
+    common: dict[str, Any], work_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    with ferry_up(config, args.model, work_dir) as cluster:
+        workers = cluster.worker_processes()
+        warm_up(cluster, args.model, max(2, workers))
+        results = []
+        for level in levels:
+            row = measure_level(cluster, level, trace, args, workers, work_dir)
+            print(f"{config.name} c={level.concurrency}: {_brief(row)}", flush=True)
+            results.append(row)
+    return {"config": config.name, "description": config.description,
+            "ferry_up_args": list(config.args), "worker_processes": workers, **common,
+            "levels": results}  # fmt: skip
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if "ttft_s" not in row:
+        return f"{row['requests']} requests, all failed"
+    return (f"{row['requests']} requests ({row['failed']} failed), "
+            f"{row['output_tokens_per_s']:.0f} tok/s, {row['tokens_per_s_per_user']:.1f} tok/s/user, "
+            f"TTFT p50 {row['ttft_s']['p50']:.2f}s p99 {row['ttft_s']['p99']:.2f}s, "
+            f"goodput {row['goodput']:.0%}")  # fmt: skip
+
+
+def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """The Pareto plot and the TTFT plot of these configurations' results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = _plot_title(results[0])
+    pareto, ttft = out_dir / "serve-pareto.png", out_dir / "serve-ttft.png"
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for res in results:
+        pts = [lv for lv in res["levels"] if lv.get("tokens_per_s_per_user")]
+        x = [lv["tokens_per_s_per_user"] for lv in pts]
+        y = [lv["output_tokens_per_s_per_worker"] for lv in pts]
+        (line,) = ax.plot(x, y, "o-", label=f"{res['config']}: {res['description']}")
+        for lv, xi, yi in zip(pts, x, y, strict=True):
+            ax.annotate(f"{lv['concurrency']}", (xi, yi), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8, color=line.get_color())  # fmt: skip
+    ax.set(xlabel="tokens/s per user (1 / median TPOT)",
+           ylabel="output tokens/s per worker process")  # fmt: skip
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(pareto, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for res in results:
+        pts = [lv for lv in res["levels"] if "ttft_s" in lv]
+        cs = [lv["concurrency"] for lv in pts]
+        (line,) = ax.plot(
+            cs, [lv["ttft_s"]["p50"] for lv in pts], "o-", label=f"{res['config']} p50"
+        )
+        ax.plot(cs, [lv["ttft_s"]["p99"] for lv in pts], "s--", color=line.get_color(),
+                label=f"{res['config']} p99")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    levels = sorted({lv["concurrency"] for res in results for lv in res["levels"]})
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set(xlabel="concurrency (live sessions)", ylabel="TTFT (s)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(ttft, dpi=120)
+    plt.close(fig)
+    return [pareto, ttft]
+
+
+def _plot_title(res: dict[str, Any]) -> str:
+    """Two lines: what ran, and where (the machine note wrapped)."""
+    m = res["machine"]
+    where = f"{m['cpus']} CPUs" + (f"; {m['note']}" if m.get("note") else "")
+    what = (f"AgentX-like sessions, {res['model']['preset']} model, "
+            f"{res['duration_s']:.0f} s per concurrency")  # fmt: skip
+    return what + "\n" + textwrap.shorten(where, 90)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--concurrency", default="1,2,4,8", help="live sessions per level")
+    p.add_argument("--duration", type=int, default=30, help="seconds per level")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT at most (s)")
+    p.add_argument("--tpot-slo", type=float, default=0.05, help="goodput: TPOT at most (s)")
+    p.add_argument("--api", default="chat", choices=sorted(USER_CLASSES),
+                   help="chat: OpenAI REST streaming; grpc: the Python SDK")  # fmt: skip
+    p.add_argument("--model", default="tiny", help="preset or checkpoint (`ferry up --model`)")
+    p.add_argument("--max-context", type=int, default=4096, help="the model's max_model_len")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--work-dir", default="", help="keep traces, Locust CSVs, logs here")
+    p.add_argument("--note", default="", help="recorded with the machine (e.g. 'shared host')")
+    p.add_argument("--plot-only", action="store_true", help="redraw from --out-dir's JSON")
+    args = p.parse_args(argv)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(
+            f"unknown configuration(s) {', '.join(sorted(unknown))}: choose of {', '.join(CONFIGS)}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    names = args.configs.split(",")
+    if args.plot_only:
+        results = [json.loads((out_dir / f"serve-{n}.json").read_text()) for n in names
+                   if (out_dir / f"serve-{n}.json").exists()]  # fmt: skip
+        print("wrote", *plot(results, out_dir))
+        return
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ferry-sweep-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    levels = plan_levels([int(c) for c in args.concurrency.split(",")], args.duration)
+    workload = WorkloadConfig(seed=args.seed, max_context_tokens=args.max_context)
+    sessions = generate_sessions(workload, 0, levels[-1].sessions[1])
+    trace = work_dir / "agentx-trace.jsonl"
+    write_trace(trace, workload, sessions)
+    common = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(args.note),
+        "model": {"preset": args.model, "max_model_len": args.max_context},
+        "workload": {"generator": "loadtest/agentx.py", "config": workload.to_dict(),
+                     "shape": summary(sessions), "api": args.api,
+                     "trace_sha256": hashlib.sha256(trace.read_bytes()).hexdigest(),
+                     "greedy": True, "ignore_eos": True},
+        "duration_s": args.duration,
+        "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
+    }  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in names:
+        res = sweep_config(CONFIGS[name], levels, trace, args, common, work_dir)
+        path = out_dir / f"serve-{name}.json"
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {path}", flush=True)
+        results.append(res)
+    print("wrote", *plot(results, out_dir), f"(traces, Locust CSVs and logs: {work_dir})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""EPLB controller: expert placement (``algorithm``) for a DEP group's MoE layers."""
+
+from services.eplb_controller.algorithm import (
+    Placement,
+    balancedness,
+    layer_balancedness,
+    rebalance,
+    slots_changed,
+)
+
+__all__ = ["Placement", "balancedness", "layer_balancedness", "rebalance", "slots_changed"]

@@ -1,0 +1,275 @@
+"""The EPLB controller: watches every DEP group's expert load in Redis and moves experts while
+the group serves (design.md §1, §5).
+
+Every ``poll_s`` it reads each group's rank reports (``eplb:{group}:load``: the routing window,
+the rows each rank's experts computed, steps), publishes the group's measured balancedness, and,
+every ``interval_steps`` steps of the group (or on the ``Rebalance`` RPC), computes a placement
+for the summed window with ``algorithm.rebalance`` (keeping slots where that costs little) and,
+when it is predicted to balance better by ``min_gain``, orders every rank to apply it
+(``ExpertPlacement.ApplyPlacement``, all ranks at once; they switch in lockstep). The applied
+placement is kept in Redis (``eplb:{group}:placement``). The controller holds no state a
+restart would lose: the ranks know their placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+
+from protos import eplb_pb2, eplb_pb2_grpc
+from services.common.cluster_state import (
+    ClusterState,
+    ClusterStateError,
+    ExpertLoadReport,
+    WorkerRecord,
+)
+from services.common.config import ServiceConfig
+from services.common.log import get_logger
+from services.common.placement_service import placement_map, slot_map
+from services.common.server import Service
+from services.engine.model import model_config
+from services.eplb_controller import metrics
+from services.eplb_controller.algorithm import balancedness, rebalance
+from services.eplb_controller.balance import BalanceWindow, aligned_rows
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    interval_steps: int = 0  # rebalance a group every this many of its steps; 0: only on request
+    poll_s: float = 1.0  # how often the load reports are read
+    num_nodes: int = 1  # nodes a group's ranks span (the hierarchical policy packs per node)
+    min_gain: float = 0.01  # apply only placements predicted to raise balancedness this much
+    apply_timeout_s: float = 120.0
+    window_s: float = 10.0  # measured balancedness covers this much recent traffic
+
+    def __post_init__(self) -> None:
+        if self.interval_steps < 0 or self.poll_s <= 0 or self.num_nodes < 1:
+            raise ValueError("interval_steps must be >= 0, poll_s > 0 and num_nodes >= 1")
+
+
+@dataclass
+class Group:
+    """A DEP group as the registry shows it: its ranks' records by rank."""
+
+    name: str
+    ranks: dict[int, WorkerRecord]
+
+    @property
+    def complete(self) -> bool:
+        return sorted(self.ranks) == list(range(len(self.ranks)))
+
+
+class NoRebalance(Exception):
+    """Why a group keeps its placement (not an error of the controller)."""
+
+
+class EplbController(Service):
+    role = "eplb"
+    service_names = ("ferry.v1.EplbController",)
+
+    def __init__(self, config: EplbConfig) -> None:
+        self.config = config
+        svc = config.service
+        self.worker_id = svc.name_for(self.role)
+        self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
+        self._windows: dict[str, BalanceWindow] = {}
+        self._rebalanced_at_step: dict[str, int] = {}
+        self._rebalances: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._watch: asyncio.Task[None] | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        eplb_pb2_grpc.add_EplbControllerServicer_to_server(_Servicer(self), server)
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        record = WorkerRecord(worker_id=self.worker_id, role=self.role, address=address,
+                              metrics_port=metrics_port, pid=os.getpid(),
+                              started_at=time.time())  # fmt: skip
+        await self.cluster.register(record)
+        self._watch = asyncio.create_task(self._watch_groups())
+
+    async def drain(self) -> None:
+        await self.cluster.deregister()
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+        await self.cluster.close()
+
+    # ---- watching -------------------------------------------------------------------------
+    async def groups(self) -> dict[str, Group]:
+        groups: dict[str, Group] = {}
+        for view in await self.cluster.workers():
+            rec = view.record
+            if rec.dep_group:
+                groups.setdefault(rec.dep_group, Group(rec.dep_group, {})).ranks[rec.dep_rank] = rec
+        return groups
+
+    async def _watch_groups(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_s)
+            try:
+                for group in (await self.groups()).values():
+                    await self._observe(group)
+            except ClusterStateError as e:  # Redis away: the next poll retries
+                log.warning("cannot read the cluster state", error=str(e))
+            except Exception as e:  # one bad poll must not end the watch
+                log.error("eplb poll failed", error=repr(e))
+
+    async def reports(self, group: Group) -> dict[int, ExpertLoadReport]:
+        reports = await self.cluster.expert_load_reports(group.name)
+        if not group.complete or sorted(reports) != sorted(group.ranks):
+            raise NoRebalance(f"group {group.name}: ranks {sorted(group.ranks)} registered, "
+                              f"load reports from {sorted(reports)}")  # fmt: skip
+        return reports
+
+    async def _observe(self, group: Group) -> None:
+        try:
+            reports = await self.reports(group)
+        except NoRebalance:
+            return
+        window = self._windows.setdefault(group.name, BalanceWindow(self.config.window_s))
+        version = min(r.placement_version for r in reports.values())
+        since = max(r.placement_step for r in reports.values())
+        aligned = aligned_rows([reports[r].snapshots for r in sorted(reports)])
+        if aligned is not None and aligned[0] >= since:  # only traffic under this placement
+            window.add(version, aligned[1])
+            metrics.BALANCEDNESS.labels(group.name).set(window.value())
+        steps = max(r.steps_total for r in reports.values())
+        last = self._rebalanced_at_step.setdefault(group.name, 0)
+        if self.config.interval_steps and steps - last >= self.config.interval_steps:
+            result = await self.rebalance(group)
+            self._rebalanced_at_step[group.name] = steps
+            if not result.applied:
+                log.info("placement kept", group=group.name, reason=result.reason)
+
+    def balancedness(self, group: str) -> float:
+        window = self._windows.get(group)
+        return window.value() if window else 0.0
+
+    # ---- rebalancing ----------------------------------------------------------------------
+    async def rebalance(self, group: Group) -> eplb_pb2.GroupRebalance:
+        """Compute a placement for ``group`` and apply it (one rebalance per group at a time)."""
+        async with self._locks.setdefault(group.name, asyncio.Lock()):
+            try:
+                return await self._rebalance(group)
+            except NoRebalance as e:
+                return eplb_pb2.GroupRebalance(group=group.name, applied=False, reason=str(e))
+
+    async def _rebalance(self, group: Group) -> eplb_pb2.GroupRebalance:
+        reports = await self.reports(group)
+        weight = np.sum([np.array(r.counts) for r in reports.values()], axis=0)  # [L, E]
+        if not weight.sum():
+            raise NoRebalance(f"group {group.name}: no expert load reported yet")
+        current = await self._stub(group.ranks[0]).GetPlacement(
+            eplb_pb2.GetPlacementRequest(), timeout=self.config.apply_timeout_s
+        )
+        prev = slot_map(current).numpy()
+        size = len(group.ranks)
+        mc = model_config(group.ranks[0].model)
+        new = rebalance(weight, prev.shape[1], mc.n_group, self.config.num_nodes, size, prev)
+        before, after = balancedness(weight, prev, size), balancedness(weight, new, size)
+        result = eplb_pb2.GroupRebalance(group=group.name, predicted_balancedness_before=before,
+                                         predicted_balancedness_after=after)  # fmt: skip
+        if not new.slots_moved:
+            raise NoRebalance(
+                f"group {group.name}: the current placement is already the best found"
+            )
+        if after < before + self.config.min_gain:
+            raise NoRebalance(f"group {group.name}: predicted balancedness {before:.3f} -> "
+                              f"{after:.3f}, less than the minimum gain {self.config.min_gain}")  # fmt: skip
+        version = current.version + 1
+        applied = await self._apply(group, version, new.phy2log)
+        await self.cluster.save_placement(group.name, version, new.phy2log.tolist())
+        result.applied, result.version = True, version
+        result.slots_moved = sum(a.slots_moved for a in applied)
+        result.bytes_moved = sum(a.bytes_received for a in applied)
+        result.seconds_paused = max(a.seconds_paused for a in applied)
+        self._rebalances[group.name] = self._rebalances.get(group.name, 0) + 1
+        metrics.REBALANCES.labels(group.name).inc()
+        metrics.SLOTS_MOVED.labels(group.name).inc(result.slots_moved)
+        metrics.BYTES_MOVED.labels(group.name).inc(result.bytes_moved)
+        metrics.SECONDS_PAUSED.labels(group.name).observe(result.seconds_paused)
+        log.info("rebalanced", group=group.name, version=version, before=round(before, 3),
+                 after=round(after, 3), slots_moved=result.slots_moved,
+                 bytes_moved=result.bytes_moved, seconds_paused=result.seconds_paused)  # fmt: skip
+        return result
+
+    async def _apply(
+        self, group: Group, version: int, phy2log: torch.Tensor
+    ) -> list[eplb_pb2.PlacementApplied]:
+        """Order every rank at once; the ranks start moving weights when all of them have it."""
+        order = eplb_pb2.ApplyPlacementRequest(group=group.name,
+                                               placement=placement_map(version, phy2log))  # fmt: skip
+        calls = [self._stub(rec).ApplyPlacement(order, timeout=self.config.apply_timeout_s)
+                 for _, rec in sorted(group.ranks.items())]  # fmt: skip
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for (rank, rec), res in zip(sorted(group.ranks.items()), results, strict=True):
+            if isinstance(res, BaseException):
+                detail = res.details() if isinstance(res, grpc.aio.AioRpcError) else repr(res)
+                raise NoRebalance(f"group {group.name}: rank {rank} ({rec.worker_id}) did not "
+                                  f"apply version {version}: {detail}")  # fmt: skip
+        return list(results)  # type: ignore[arg-type]
+
+    def _stub(self, rec: WorkerRecord) -> eplb_pb2_grpc.ExpertPlacementStub:
+        if rec.address not in self._channels:
+            self._channels[rec.address] = grpc.aio.insecure_channel(rec.address)
+        return eplb_pb2_grpc.ExpertPlacementStub(self._channels[rec.address])
+
+    async def status(self, group: Group) -> eplb_pb2.GroupState:
+        state = eplb_pb2.GroupState(group=group.name, ranks=len(group.ranks),
+                                    balancedness=self.balancedness(group.name),
+                                    rebalances=self._rebalances.get(group.name, 0))  # fmt: skip
+        try:
+            reports = await self.reports(group)
+        except NoRebalance:
+            return state
+        ordered = [reports[r] for r in sorted(reports)]
+        state.version = min(r.placement_version for r in ordered)  # what every rank runs
+        state.placement_step = max(r.placement_step for r in ordered)
+        aligned = aligned_rows([r.snapshots for r in ordered])
+        if aligned is not None:
+            state.rows_step, rows = aligned
+            state.num_moe_layers = rows.shape[1]
+            state.rows_total.extend(int(v) for v in rows.reshape(-1))
+        return state
+
+
+class _Servicer(eplb_pb2_grpc.EplbControllerServicer):
+    def __init__(self, controller: EplbController) -> None:
+        self.c = controller
+
+    async def _chosen(self, name: str, context: grpc.aio.ServicerContext) -> list[Group]:
+        try:
+            groups = await self.c.groups()
+        except ClusterStateError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if name and name not in groups:
+            known = ", ".join(sorted(groups)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no DEP group {name!r} is registered (groups: {known})")  # fmt: skip
+        return [groups[name]] if name else [groups[g] for g in sorted(groups)]
+
+    async def Rebalance(
+        self, request: eplb_pb2.RebalanceRequest, context: grpc.aio.ServicerContext
+    ) -> eplb_pb2.RebalanceReply:
+        groups = await self._chosen(request.group, context)
+        return eplb_pb2.RebalanceReply(groups=[await self.c.rebalance(g) for g in groups])
+
+    async def GroupStatus(
+        self, request: eplb_pb2.GroupStatusRequest, context: grpc.aio.ServicerContext
+    ) -> eplb_pb2.GroupStatusReply:
+        groups = await self._chosen(request.group, context)
+        return eplb_pb2.GroupStatusReply(groups=[await self.c.status(g) for g in groups])

@@ -1,0 +1,143 @@
+"""Aggregated workers end to end: `ferry up --aggregated N`, real processes, gRPC.
+
+Cluster A is one aggregated worker and nothing else: outputs against the in-process engine,
+cancellation. Cluster B is mixed (1 aggregated, 1 prefill, 1 decode): requests go to the
+aggregated worker while it is up and to the prefill/decode pair once it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos import scheduler_pb2, scheduler_pb2_grpc
+from services.engine import Engine, EngineConfig, SamplingParams
+from tests.cluster import Cluster, Result, ferry_up, generate, greedy
+from tests.helpers import make_hf_checkpoint
+from tests.redis_server import RedisServer, redis_server
+
+BLOCK_SIZE, NUM_BLOCKS = 16, 256
+WORKER_ARGS = f"--block-size {BLOCK_SIZE}"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # wide logit margins: greedy tokens cannot flip with batch composition
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=3, lm_head_scale=20.0)
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@contextmanager
+def up(redis: RedisServer, checkpoint: Path, *args: str, cluster: str) -> Iterator[Cluster]:
+    with ferry_up(redis.url, *args, "--model", str(checkpoint), "--num-kv-blocks",
+                  str(NUM_BLOCKS), "--worker-args", WORKER_ARGS, cluster=cluster) as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture(scope="module")
+def aggregated(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
+    with up(redis, checkpoint, "--aggregated", "1", cluster="agg") as c:
+        yield c
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(5 + 23 * i)] for i in range(n)]
+
+
+def expected(checkpoint: Path, ps: list[list[int]], n: int) -> list[list[int]]:
+    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
+                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    outs = engine.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def run_all(address: str, ps: list[list[int]], n: int) -> list[Result]:
+    async def main() -> list[Result]:
+        return list(await asyncio.gather(*(generate(address, p, greedy(n, ignore_eos=True))
+                                           for p in ps)))  # fmt: skip
+
+    return asyncio.run(main())
+
+
+def blocks_free(c: Cluster) -> bool:
+    loads = [v.load for v in c.views() if v.record.role != "scheduler"]
+    return bool(loads) and all(ld is not None and ld.free_kv_blocks == ld.total_kv_blocks
+                               for ld in loads)  # fmt: skip
+
+
+def paths(c: Cluster) -> dict[str, float]:
+    """The scheduler's ferry_scheduler_path_requests_total, by path."""
+    (sched,) = c.views("scheduler")
+    url = f"http://127.0.0.1:{sched.record.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    prefix = 'ferry_scheduler_path_requests_total{path="'
+    return {ln[len(prefix) :].split('"')[0]: float(ln.split()[-1])
+            for ln in text.splitlines() if ln.startswith(prefix)}  # fmt: skip
+
+
+def test_only_aggregated_workers_are_started(aggregated: Cluster) -> None:
+    roles = sorted(v.record.role for v in aggregated.views())
+    assert roles == ["aggregated", "scheduler"]
+    with urllib.request.urlopen(f"{aggregated.gateway}/health", timeout=5) as reply:
+        assert reply.status == 200
+
+
+def test_greedy_outputs_equal_the_in_process_engine(aggregated: Cluster, checkpoint: Path) -> None:
+    ps = prompts(16)
+    results = run_all(aggregated.scheduler, ps, 12)
+    for res, ref in zip(results, expected(checkpoint, ps, 12), strict=True):
+        assert res.code is None, res.details
+        assert res.token_ids == ref and res.finish_reason == "length"
+    assert paths(aggregated) == {"aggregated": 16.0}
+    aggregated.wait_for("blocks free", lambda: blocks_free(aggregated), 5)
+
+
+def test_cancel_mid_stream_frees_the_blocks(aggregated: Cluster) -> None:
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(aggregated.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
+                prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)))
+                for p in prompts(4)]  # fmt: skip
+            for call in calls:
+                for _ in range(3):
+                    await call.read()
+            await asyncio.sleep(1.2)  # a heartbeat carries the load
+            (view,) = await asyncio.to_thread(aggregated.views, "aggregated")
+            assert view.load is not None and view.load.running == 4
+            assert view.load.free_kv_blocks < view.load.total_kv_blocks
+            for call in calls:
+                call.cancel()
+
+    asyncio.run(main())
+    aggregated.wait_for("blocks free after cancel", lambda: blocks_free(aggregated), 5)
+
+
+def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
+    redis: RedisServer, checkpoint: Path
+) -> None:
+    ps = prompts(6)
+    ref = expected(checkpoint, ps, 8)
+    with up(redis, checkpoint, "--aggregated", "1", "--prefill", "1", "--decode", "1",
+            cluster="mixed") as c:  # fmt: skip
+        before = run_all(c.scheduler, ps, 8)
+        assert paths(c) == {"aggregated": 6.0}
+        c.signal("aggregated-0", signal.SIGKILL)  # its calls fail UNAVAILABLE: P/D takes them
+        after = run_all(c.scheduler, ps, 8)
+        assert paths(c).get("disaggregated") == 6.0
+        for res in (*before, *after):
+            assert res.code is None, res.details
+        assert [r.token_ids for r in before] == ref == [r.token_ids for r in after]
