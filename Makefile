@@ -62,7 +62,7 @@ bench-wide-ep: setup
 	$(PY) loadtest/bench_wide_ep.py $(BENCH_ARGS)
 
 # AgentX-like sessions through `ferry up` at 1,2,4,8 live sessions x 30 s, 4 configurations
-# (~15 min) -> loadtest/results/serve-*.json, serve-pareto.png, serve-ttft.png
+# (~10 min here) -> loadtest/results/serve-*.json, serve-pareto.png, serve-ttft.png
 bench-serve: setup
 	$(PY) loadtest/sweep.py $(BENCH_ARGS)
 
