@@ -53,11 +53,11 @@ class ExpertLoadReport:
     """What a DEP rank (or an independent worker) publishes every heartbeat for EPLB."""
 
     counts: list[list[int]]  # [num_moe_layers, num_experts] tokens routed over the window
-    rows_total: list[int] = dataclasses.field(default_factory=list)  # per MoE layer, since start
     steps_total: int = 0
     placement_version: int = 0
     placement_step: int = 0  # the group step at which that placement took effect
-    # [[group step, rows_total], ...]: snapshots every rank of a DEP group takes at the same steps
+    # [[group step, rows per MoE layer since start], ...]: the rows this rank's experts computed,
+    # snapshotted at the same lockstep steps on every rank of a DEP group
     snapshots: list[list[Any]] = dataclasses.field(default_factory=list)
     updated_at: float = 0.0
 
@@ -235,17 +235,11 @@ class ClusterState:
     async def save_placement(
         self, group: str, version: int, slot_to_logical: list[list[int]]
     ) -> None:
-        """The placement a group runs (``eplb:{group}:placement``), kept for a restarted controller."""
+        """The placement a group runs (``eplb:{group}:placement``), for operators and tools (the
+        ranks themselves are the truth: the controller asks them)."""
         value = json.dumps({"version": version, "slot_to_logical": slot_to_logical,
                             "updated_at": time.time()})  # fmt: skip
         await self._run(self.redis.set(self.key("eplb", group, "placement"), value))
-
-    async def placement(self, group: str) -> tuple[int, list[list[int]]] | None:
-        raw = await self._run(self.redis.get(self.key("eplb", group, "placement")))
-        if raw is None:
-            return None
-        d = json.loads(raw)
-        return int(d["version"]), d["slot_to_logical"]
 
     async def _run(self, aw: Awaitable[T]) -> T:
         try:
@@ -255,10 +249,7 @@ class ClusterState:
 
     async def server_id(self) -> str:
         """The Redis server's run id: it changes when Redis restarts (and forgets every key)."""
-        try:
-            info = await self.redis.info("server")
-        except REDIS_DOWN as e:
-            raise ClusterStateError(f"cannot reach Redis at {self.url}: {e}") from e
+        info = await self._run(self.redis.info("server"))
         return str(info.get("run_id", ""))
 
     async def ping(self) -> bool:

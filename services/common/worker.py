@@ -136,8 +136,7 @@ class EngineWorker(Service):
             await asyncio.sleep(self.config.service.heartbeat_s)
             load = eng.expert_load
             report = ExpertLoadReport(
-                counts=load.window().tolist(), rows_total=list(load.rows_total),
-                steps_total=load.steps_total, updated_at=time.time(),
+                counts=load.window().tolist(), steps_total=load.steps_total, updated_at=time.time(),
                 placement_version=eng.rebalancer.version if eng.rebalancer else 0,
                 placement_step=eng.placement_step, snapshots=load.recent_snapshots(),
             )  # fmt: skip

@@ -40,9 +40,7 @@ class EPGroup:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a small collective every rank must call)."""
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return self.agree(flag, 0)[0]
 
     def agree(self, flag: bool, offer: int) -> tuple[bool, int]:
         """One collective for the start of a lockstep step: whether ``flag`` is true on any
