@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PIP) --upgrade pip 2>&1 | $(QUIET)
 	$(PIP) "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
 	$(PIP) -e '.[dev]' 2>&1 | $(QUIET)
+	@# Hugging Face's `kernels` distribution imports as `kernels`, like ours (see pyproject.toml).
+	@! $(PY) -m pip show -q kernels >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q kernels
 	@touch $(STAMP)
 
 redis:

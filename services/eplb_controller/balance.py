@@ -34,11 +34,15 @@ def aligned_rows(snapshots: list[list[list[object]]]) -> tuple[int, np.ndarray] 
 @dataclass
 class BalanceWindow:
     """Snapshots of a group's cumulative rows; the balancedness of what changed over the last
-    ``window_s`` seconds, under one placement version (a new version restarts the window)."""
+    ``window_s`` seconds, under one placement version (a new version restarts the window).
+
+    A window without traffic (an idle group, or a placement that just switched) measures
+    nothing, so :meth:`value` keeps the last value measured instead of reading 0."""
 
     window_s: float = 10.0
     version: int = -1
     _samples: deque[tuple[float, np.ndarray]] = field(default_factory=deque)
+    _last: float | None = None
 
     def add(self, version: int, rows_total: np.ndarray, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -51,7 +55,10 @@ class BalanceWindow:
         while len(self._samples) > 2 and self._samples[1][0] < now - self.window_s:
             self._samples.popleft()
 
-    def value(self) -> float:
-        if len(self._samples) < 2:
-            return 0.0
-        return measured_balancedness(self._samples[-1][1] - self._samples[0][1])
+    def value(self) -> float | None:
+        """Balancedness of the window's traffic, else the last measured; None before any."""
+        if len(self._samples) >= 2:
+            rows = self._samples[-1][1] - self._samples[0][1]
+            if rows.any():
+                self._last = measured_balancedness(rows)
+        return self._last

@@ -146,7 +146,8 @@ class EplbController(Service):
         aligned = aligned_rows([reports[r].snapshots for r in sorted(reports)])
         if aligned is not None and aligned[0] >= since:  # only traffic under this placement
             window.add(version, aligned[1])
-            metrics.BALANCEDNESS.labels(group.name).set(window.value())
+            if (value := window.value()) is not None:
+                metrics.BALANCEDNESS.labels(group.name).set(value)
         steps = max(r.steps_total for r in reports.values())
         last = self._rebalanced_at_step.setdefault(group.name, 0)
         if self.config.interval_steps and steps - last >= self.config.interval_steps:
@@ -156,8 +157,9 @@ class EplbController(Service):
                 log.info("placement kept", group=group.name, reason=result.reason)
 
     def balancedness(self, group: str) -> float:
+        """The group's last measured balancedness; 0.0 before it has served any traffic."""
         window = self._windows.get(group)
-        return window.value() if window else 0.0
+        return (window.value() if window else None) or 0.0
 
     # ---- rebalancing ----------------------------------------------------------------------
     async def rebalance(self, group: Group) -> eplb_pb2.GroupRebalance:

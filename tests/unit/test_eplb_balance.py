@@ -24,12 +24,17 @@ def test_aligned_rows_take_the_newest_step_every_rank_has() -> None:
 
 def test_window_covers_recent_traffic_of_one_version() -> None:
     w = BalanceWindow(window_s=10)
+    assert w.value() is None
     w.add(0, np.array([[0], [0]]), now=0)
+    assert w.value() is None  # one snapshot measures nothing yet
     w.add(0, np.array([[10], [30]]), now=5)
     assert w.value() == 20 / 30
     w.add(0, np.array([[40], [60]]), now=20)  # the first sample left the window
     assert w.value() == 1.0
-    w.add(1, np.array([[50], [60]]), now=21)  # a new placement starts over
-    assert w.value() == 0.0
-    w.add(1, np.array([[60], [70]]), now=22)
-    assert w.value() == 1.0
+    w.add(1, np.array([[50], [60]]), now=21)  # a new placement starts over, and until it has
+    assert w.value() == 1.0  # traffic the last measured value stands (not 0)
+    w.add(1, np.array([[60], [80]]), now=22)
+    assert w.value() == 15 / 20
+    w.add(1, np.array([[60], [80]]), now=40)  # idle: the window holds no traffic
+    w.add(1, np.array([[60], [80]]), now=41)
+    assert w.value() == 15 / 20
