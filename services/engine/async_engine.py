@@ -20,7 +20,7 @@ from services.engine.request import ImportedKv, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
-DEP_IDLE_POLL_S = 0.05  # an idle rank checks in 20 times a second (~3% of a core here)
+DEP_IDLE_POLL_S = 0.05  # an idle group's ranks check in 20 times a second (~3% of a core here)
 
 
 class EngineDeadError(RuntimeError):
@@ -164,10 +164,12 @@ class AsyncEngine:
                         or self.engine.has_unfinished_requests()
                     ):
                         if self.engine.ep_group is not None:
-                            # a DEP rank must join every step of its group, even idle: check
-                            # in at a slow cadence (the step's first collective says if any
-                            # rank has work) instead of sleeping until work arrives here
-                            self._cv.wait(DEP_IDLE_POLL_S)
+                            # a DEP rank must join every step of its group, even idle. While
+                            # another rank has work (the last step's collective said so) it
+                            # steps again at once, or that rank would wait for it every step;
+                            # once the whole group is idle it checks in at a slow cadence
+                            if not self.engine.group_busy:
+                                self._cv.wait(DEP_IDLE_POLL_S)
                             break
                         self._cv.wait()
                     if self._stopped:

@@ -76,6 +76,7 @@ class Engine:
         self.rebalancer: Rebalancer | None = None  # applies EPLB's placement orders
         self.group_steps = 0  # lockstep steps of the DEP group, idle ones included
         self.placement_step = 0  # the group step at which the current placement took effect
+        self.group_busy = False  # whether any rank of the DEP group had work in the last step
         if ep_group is not None:
             self.model.attach_ep_group(ep_group)
             self.rebalancer = Rebalancer(self.model, ep_group)
@@ -209,6 +210,7 @@ class Engine:
         if self.ep_group is not None:  # lockstep: every rank steps when any rank has work
             assert self.rebalancer is not None
             work, agreed = self.ep_group.agree(bool(plan), self.rebalancer.offered)
+            self.group_busy = work
             version = self.rebalancer.version
             self.rebalancer.advance(agreed)  # moves experts, on every rank at the same step
             self.group_steps += 1  # the same count on every rank of the group
