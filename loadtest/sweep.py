@@ -375,6 +375,41 @@ def _brief(row: dict[str, Any]) -> str:
             f"goodput {row['goodput']:.0%}")  # fmt: skip
 
 
+TABLE_HEADER = (
+    "| config | workers | c | requests | failed | unfinished | out tok/s | tok/s/worker "
+    "| tok/s/user | TTFT p50 / p99 (s) | TPOT p50 (ms) | E2E p50 (s) | goodput "
+    "| cache hit (client / server) | KV used max | balancedness |"
+)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The results as the markdown table in loadtest/README.md (one row per level)."""
+    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    for res in results:
+        for row in res["levels"]:
+            if "ttft_s" not in row:
+                lines.append(f"| {res['config']} | {res['worker_processes']} | "
+                             f"{row['concurrency']} | {row['requests']} | all failed |")  # fmt: skip
+                continue
+            server = row.get("server", {})
+            balance = list((server.get("expert_balancedness") or {}).values())
+            cells = [
+                res["config"], res["worker_processes"], row["concurrency"], row["requests"],
+                row["failed"], row.get("unfinished", "-"), f"{row['output_tokens_per_s']:.0f}",
+                f"{row['output_tokens_per_s_per_worker']:.0f}",
+                f"{row['tokens_per_s_per_user']:.0f}",
+                f"{row['ttft_s']['p50']:.2f} / {row['ttft_s']['p99']:.2f}",
+                f"{row['tpot_s']['p50'] * 1e3:.0f}", f"{row['e2e_s']['p50']:.2f}",
+                f"{row['goodput']:.0%}",
+                f"{row['prefix_cache_hit_rate']:.0%} / "
+                f"{server.get('prefix_cache_hit_rate', float('nan')):.0%}",
+                f"{server.get('kv_usage_max', float('nan')):.1%}",
+                f"{min(balance):.2f}" if balance else "-",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """The Pareto plot and the TTFT plot of these configurations' results."""
     import matplotlib
@@ -449,6 +484,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="", help="keep traces, Locust CSVs, logs here")
     p.add_argument("--note", default="", help="recorded with the machine (e.g. 'shared host')")
     p.add_argument("--plot-only", action="store_true", help="redraw from --out-dir's JSON")
+    p.add_argument("--table", action="store_true",
+                   help="print --out-dir's JSON as the markdown table of loadtest/README.md")  # fmt: skip
     args = p.parse_args(argv)
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
@@ -462,10 +499,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     names = args.configs.split(",")
-    if args.plot_only:
+    if args.plot_only or args.table:
         results = [json.loads((out_dir / f"serve-{n}.json").read_text()) for n in names
                    if (out_dir / f"serve-{n}.json").exists()]  # fmt: skip
-        print("wrote", *plot(results, out_dir))
+        print(
+            table(results) if args.table else " ".join(["wrote", *map(str, plot(results, out_dir))])
+        )
         return
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ferry-sweep-"))
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,18 @@ def test_plots_are_written(tmp_path: Path) -> None:
     sweep.main(["--configs", "agg", "--plot-only", "--out-dir", str(tmp_path)])
     for name in ("serve-pareto.png", "serve-ttft.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_table_has_a_row_per_level(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    levels = [{"concurrency": c, **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0),
+               "server": {"kv_usage_max": 0.05, "prefix_cache_hit_rate": 0.6,
+                          "expert_balancedness": {'ferry_expert_balancedness{group="g"}': 0.9}}}
+              for c in (1, 2)]  # fmt: skip
+    res = {"config": "1p-dep2", "worker_processes": 3, "levels": levels}
+    (tmp_path / "serve-1p-dep2.json").write_text(json.dumps(res))
+    sweep.main(["--configs", "1p-dep2", "--table", "--out-dir", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == sweep.TABLE_HEADER and len(lines) == 4
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert len(cells) == lines[0].count("|") - 1 == lines[1].count("|") - 1
+    assert cells[:3] == ["1p-dep2", "3", "1"] and cells[-3:] == ["60% / 60%", "5.0%", "0.90"]
