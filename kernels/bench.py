@@ -10,13 +10,26 @@ experts for every token. (The bfloat16 reference rounds its intermediates, score
 outputs, to bfloat16 and strays further from float32 than the kernels do.) Then it times both
 with ``triton.testing.do_bench`` (median, L2 flushed between runs) and reports the achieved HBM
 bandwidth and tensor throughput next to an H200's ceilings, and the fraction of the roofline
-(the larger of bytes / bandwidth and flops / peak) reached. Without a CUDA device (and without
-``--tiny``) it says so and exits 0. The exit status is 1 if any check failed.
+(the larger of bytes / bandwidth and flops / peak) reached. The ``model`` suite runs the whole
+model (the ``small`` preset; ``tiny`` with ``--tiny``) through ``kernels.dispatch``: its float32
+logits on the Triton kernels against the torch path within 1e-4, on both attention paths, then
+a bfloat16 decode step and a prefill timed on each backend.
+
+Without a CUDA device (and without ``--tiny``) it says so and exits 0. A case that fails, even
+by raising (a kernel that does not build, out of memory), is reported and the run goes on; the
+exit status is 1 if any check failed. The JSON is rewritten after every case (``"complete":
+false`` until the last), so a run cut short still leaves what it measured.
+
+On a GPU machine that has torch and Triton but not this project's other packages (the device
+machines here), run it from the repository root with that machine's Python; it needs nothing
+else: ``python3 -m kernels.bench --out "$OUT/kernels.json"``. Its running time on an
+H200 has not been measured yet; every case is sized to take seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -258,19 +271,20 @@ SUITES: dict[str, Callable[[Shapes], Iterator[Case]]] = {
     "mla_decode": decode_cases,
     "prefill_attention": prefill_cases,
 }
+MODEL_SUITE = "model"
 
 
 # ---- running ---------------------------------------------------------------------------------
 
 
 def time_ms(fn: Callable[[], Any]) -> float:
-    """Median milliseconds per call: do_bench on CUDA, a few wall-clock runs elsewhere."""
+    """Median milliseconds per call: do_bench on CUDA, wall-clock runs elsewhere."""
     if DEVICE.type == "cuda":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
     runs = []
-    for _ in range(3):
+    for _ in range(1 if dispatch.interpreting() else 3):  # interpreted: checks the script only
         start = time.perf_counter()
         fn()
         runs.append((time.perf_counter() - start) * 1e3)
@@ -283,17 +297,33 @@ def _float32(args: tuple[Any, ...]) -> tuple[Any, ...]:
     )
 
 
+def _failure(exc: Exception) -> dict[str, Any]:
+    """A row's verdict for an exception: an AssertionError is a check that failed; anything else
+    is an implementation that did not run (a build error, out of memory), named by its type."""
+    if isinstance(exc, AssertionError):
+        return {"ok": False, "error": str(exc)}
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
+
+
 def run_case(case: Case) -> dict[str, Any]:
     reference = dispatch.implementation(case.op, "torch")
-    kernel = dispatch.implementation(case.op, "triton")
     row: dict[str, Any] = {"op": case.op, "shape": case.shape}
     try:
-        row["max_rel_err"] = case.compare(kernel(*case.args), reference(*_float32(case.args)))
+        kernel = dispatch.implementation(case.op, "triton")
+        ours = kernel(*case.args)
+    except Exception as exc:  # nothing to time: report it and go on with the other cases
+        return row | _failure(exc)
+    try:
+        row["max_rel_err"] = case.compare(ours, reference(*_float32(case.args)))
         row["ok"] = True
-    except AssertionError as exc:
-        row.update(ok=False, error=str(exc))
-    torch_ms = time_ms(lambda: reference(*case.args))
-    triton_ms = time_ms(lambda: kernel(*case.args))
+    except Exception as exc:  # a wrong answer is still timed
+        row |= _failure(exc)
+    del ours
+    try:
+        torch_ms = time_ms(lambda: reference(*case.args))
+        triton_ms = time_ms(lambda: kernel(*case.args))
+    except Exception as exc:
+        return row | _failure(exc)
     roofline_ms = max(case.bytes / H200_HBM_BYTES_PER_S, case.flops / H200_BF16_FLOPS) * 1e3
     row.update(
         torch_ms=torch_ms,
@@ -309,16 +339,113 @@ def run_case(case: Case) -> dict[str, Any]:
     return row
 
 
+# ---- the model -------------------------------------------------------------------------------
+# NOTE: the one place in kernels/ that imports the engine (lazily): the model reaches every op
+# through kernels.dispatch, so forcing a backend there runs its whole forward on those kernels.
+
+MODEL_TOLERANCE = 1e-4
+
+
+@functools.lru_cache(maxsize=2)
+def _model(preset: str, dtype: torch.dtype) -> Any:
+    from services.engine.model import load_model
+
+    return load_model(preset, dtype, DEVICE)
+
+
+def _on_backend(backend: str, fn: Callable[[], Any]) -> Any:
+    dispatch.set_backend(backend)
+    try:
+        return fn()
+    finally:
+        dispatch.set_backend("auto")
+
+
+def _model_logits_row(preset: str, attention: str, tokens: int) -> dict[str, Any]:
+    """float32 logits of one prompt through the paged cache (blocks of 16): the prefill path
+    ("expanded") or every position as a decode query over the cache ("absorbed")."""
+    from services.engine.model import prompt_logits
+
+    row: dict[str, Any] = {
+        "op": "model_logits", "shape": {"preset": preset, "attention": attention, "tokens": tokens},
+    }  # fmt: skip
+    try:
+        model = _model(preset, torch.float32)
+        ids = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
+        want = _on_backend("torch", lambda: prompt_logits(model, ids, 16, attention))  # type: ignore[arg-type]
+        got = _on_backend("triton", lambda: prompt_logits(model, ids, 16, attention))  # type: ignore[arg-type]
+        row["max_rel_err"] = close(MODEL_TOLERANCE)(got, want)
+        row["ok"] = True
+    except Exception as exc:
+        row |= _failure(exc)
+    return row
+
+
+def _model_step_row(preset: str, sequences: int, context: int, new_tokens: int) -> dict[str, Any]:
+    """One bfloat16 forward of ``sequences`` requests, each adding ``new_tokens`` after
+    ``context - new_tokens`` cached ones (1: a decode step), timed on each backend."""
+    from services.engine.model import ForwardBatch
+
+    kind = "model_decode_step" if new_tokens == 1 else "model_prefill"
+    row: dict[str, Any] = {
+        "op": kind,
+        "shape": {"preset": preset, "sequences": sequences, "context": context,
+                  "new_tokens": new_tokens},
+    }  # fmt: skip
+    try:
+        model = _model(preset, torch.bfloat16)
+        block_size = 64
+        per_seq = math.ceil(context / block_size)
+        cache = model.allocate_kv_cache(sequences * per_seq, block_size)
+        tables = torch.randperm(sequences * per_seq).view(sequences, per_seq).tolist()
+        batch = ForwardBatch.build(
+            [new_tokens] * sequences, [context - new_tokens] * sequences, tables, block_size,
+            device=DEVICE,
+        )  # fmt: skip
+        ids = torch.randint(0, model.config.vocab_size, (sequences * new_tokens,), device=DEVICE)
+
+        def forward() -> Any:
+            with torch.inference_mode():
+                return model(ids, batch, cache)
+
+        row["torch_ms"] = _on_backend("torch", lambda: time_ms(forward))
+        row["triton_ms"] = _on_backend("triton", lambda: time_ms(forward))
+        row["speedup"] = row["torch_ms"] / row["triton_ms"]
+        row["ok"] = True
+    except Exception as exc:
+        row |= _failure(exc)
+    return row
+
+
+def model_rows(tiny: bool) -> Iterator[dict[str, Any]]:
+    preset = "tiny" if tiny else "small"
+    for attention in ("expanded", "absorbed"):
+        yield _model_logits_row(preset, attention, tokens=20 if tiny else 100)
+    sequences, context = (2, 20) if tiny else (64, 2048)
+    yield _model_step_row(preset, sequences, context, new_tokens=1)
+    yield _model_step_row(preset, 1 if tiny else 4, context, new_tokens=context)
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
 def _print_row(row: dict[str, Any]) -> None:
     shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
-    check = f"err {row['max_rel_err']:.1e}" if row["ok"] else f"FAILED: {row['error']}"
-    print(
-        f"{row['op']:18s} {shape}\n"
-        f"    torch {row['torch_ms']:9.3f} ms   triton {row['triton_ms']:9.3f} ms "
-        f"({row['speedup']:5.1f}x)   {row['triton_GBps']:7.0f} GB/s of "
-        f"{H200_HBM_BYTES_PER_S / 1e9:.0f}   {row['triton_TFLOPs']:6.1f} TFLOP/s of "
-        f"{H200_BF16_FLOPS / 1e12:.0f}   {100 * row['of_roofline']:5.1f}% of roofline   {check}"
-    )
+    check = f"err {row['max_rel_err']:.1e}" if "max_rel_err" in row else "timed"
+    check = check if row["ok"] else f"FAILED: {row['error']}"
+    line = f"{row['op']:18s} {shape}\n   "
+    if "triton_ms" in row:
+        line += (
+            f" torch {row['torch_ms']:9.3f} ms   triton {row['triton_ms']:9.3f} ms "
+            f"({row['speedup']:5.1f}x)  "
+        )
+    if "triton_GBps" in row:
+        line += (
+            f" {row['triton_GBps']:7.0f} GB/s of {H200_HBM_BYTES_PER_S / 1e9:.0f}  "
+            f" {row['triton_TFLOPs']:6.1f} TFLOP/s of {H200_BF16_FLOPS / 1e12:.0f}  "
+            f" {100 * row['of_roofline']:5.1f}% of roofline  "
+        )
+    print(f"{line} {check}", flush=True)
 
 
 def _machine() -> dict[str, Any]:
@@ -335,10 +462,23 @@ def _machine() -> dict[str, Any]:
     return info
 
 
+def _rows(names: list[str], tiny: bool) -> Iterator[dict[str, Any]]:
+    shapes = TINY if tiny else DEEPSEEK_V3
+    for name in names:
+        if name == MODEL_SUITE:
+            yield from model_rows(tiny)
+        else:
+            for case in SUITES[name](shapes):
+                yield run_case(case)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", nargs="+", choices=sorted(SUITES), help="ops to run (default: all)")
+    suites = [*SUITES, MODEL_SUITE]
+    p.add_argument("--only", nargs="+", choices=suites, help="suites to run (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")
     p.add_argument(
         "--tiny", action="store_true", help="tiny shapes, any device (checks the script)"
@@ -355,16 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     elif dispatch.interpreting():
         print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
         return 1
-    shapes = TINY if args.tiny else DEEPSEEK_V3
     torch.manual_seed(0)
-    rows = []
-    for name in args.only or list(SUITES):
-        for case in SUITES[name](shapes):
-            rows.append(run_case(case))
-            _print_row(rows[-1])
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
-    result = {
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "kernels.bench", *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": _machine(),
@@ -373,12 +507,19 @@ def main(argv: list[str] | None = None) -> int:
             "bf16_dense_TFLOPs": H200_BF16_FLOPS / 1e12,
         },
         "shapes": "tiny" if args.tiny else "deepseek_v3",
-        "results": rows,
+        "complete": False,
+        "results": [],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if all(r["ok"] for r in rows) else 1
+    started = time.perf_counter()
+    for row in _rows(args.only or suites, args.tiny):
+        result["results"].append(row)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        _print_row(row)
+    result["complete"] = True
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out} ({result['seconds']} s)")
+    return 0 if all(r["ok"] for r in result["results"]) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""kernels/bench.py runs only where a GPU is lent, so its every path is run here first: its tiny
+shapes under Triton's interpreter, in a fresh process, down to the JSON it leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.bench import SUITES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(tmp_path: Path, *args: str, interpret: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, "-m", "kernels.bench", "--out", str(tmp_path / "k.json"),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_tiny_run_checks_every_kernel_and_the_model(tmp_path: Path) -> None:
+    run = _bench(tmp_path, "--tiny")
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["complete"] and result["shapes"] == "tiny"
+    rows = result["results"]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    ops = {r["op"] for r in rows}
+    assert (
+        set(SUITES) | {"add_rms_norm", "model_logits", "model_decode_step", "model_prefill"} == ops
+    )
+    kernel_rows = [r for r in rows if r["op"] in SUITES or r["op"] == "add_rms_norm"]
+    assert all(r["max_rel_err"] < 1e-2 and r["triton_ms"] > 0 for r in kernel_rows)
+    logits = [r for r in rows if r["op"] == "model_logits"]
+    assert {r["shape"]["attention"] for r in logits} == {"expanded", "absorbed"}
+    assert all(r["max_rel_err"] < 1e-4 for r in logits)
+    assert f"wrote {tmp_path / 'k.json'}" in run.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full run would start")
+def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path) -> None:
+
+    run = _bench(tmp_path, interpret=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "no CUDA device" in run.stdout
+    assert not (tmp_path / "k.json").exists()
