@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--model", "tiny", "preset (tiny, small) or HF checkpoint directory")
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
-    flags.add(up, "--routing-policy", "least_loaded", "scheduler routing policy")
+    flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")

@@ -131,6 +131,7 @@ class Result:
     finish_reason: str
     code: grpc.StatusCode | None = None
     details: str = ""
+    cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
 
 
 async def generate(
@@ -151,6 +152,8 @@ async def generate(
                 res.token_ids += chunk.token_ids
                 res.chunks += 1
                 res.finish_reason = chunk.finish_reason
+                if chunk.HasField("usage"):
+                    res.cached_tokens = chunk.usage.cached_tokens
         except grpc.aio.AioRpcError as e:
             res.code, res.details = e.code(), e.details() or ""
         return res

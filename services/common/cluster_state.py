@@ -4,6 +4,11 @@ Keys (prefix ``ferry:{cluster}:``): ``worker:{id}`` and ``load:{id}``, hashes th
 ``ttl_s`` after the last heartbeat. Every heartbeat re-writes both hashes in full, so a worker
 that loses Redis (a restart, a network blip) re-registers by itself on the first beat that gets
 through; a worker that dies leaves the registry when its keys expire.
+
+``kv-events`` is a stream (capped at ``KV_EVENTS_MAXLEN`` entries) of the prefix-cache changes of
+the workers that requests start on: each entry names a worker and either ``cleared`` (its cache
+is empty: it just started) or ``events``, block hashes in hex, ``+`` stored and ``-`` removed,
+in order. Schedulers follow it to know which worker holds which prefix.
 """
 
 from __future__ import annotations
@@ -27,6 +32,26 @@ from services.common.log import get_logger
 log = get_logger(__name__)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 T = TypeVar("T")
+KV_EVENTS_MAXLEN = 100_000
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """One ``kv-events`` entry: ``worker_id``'s cache changes, in order."""
+
+    worker_id: str
+    events: list[tuple[bool, int]]  # (stored, block hash); False: removed
+    cleared: bool = False  # the worker's cache was emptied before these events
+
+    def encode(self) -> dict[str, str]:
+        events = " ".join(f"{'+' if stored else '-'}{h:x}" for stored, h in self.events)
+        return {"worker": self.worker_id, "cleared": "1" if self.cleared else "0",
+                "events": events}  # fmt: skip
+
+    @classmethod
+    def decode(cls, fields: dict[str, str]) -> KvEvents:
+        events = [(e[0] == "+", int(e[1:], 16)) for e in fields.get("events", "").split()]
+        return cls(fields["worker"], events, fields.get("cleared") == "1")
 
 
 @dataclass(frozen=True)
@@ -240,6 +265,26 @@ class ClusterState:
         value = json.dumps({"version": version, "slot_to_logical": slot_to_logical,
                             "updated_at": time.time()})  # fmt: skip
         await self._run(self.redis.set(self.key("eplb", group, "placement"), value))
+
+    async def publish_kv_events(self, batch: KvEvents) -> None:
+        await self._run(self.redis.xadd(self.key("kv-events"), batch.encode(),  # type: ignore[arg-type]
+                                        maxlen=KV_EVENTS_MAXLEN, approximate=True))  # fmt: skip
+
+    async def read_kv_events(
+        self, after: str, block_ms: int = 500, count: int = 1000
+    ) -> tuple[str, list[KvEvents]]:
+        """The ``kv-events`` entries after id ``after`` ("0" for all that are kept), waiting up
+        to ``block_ms`` (under the client's 1 s socket timeout) for one; returns the last id
+        read (``after`` when none) and them."""
+        reply: Any = await self._run(
+            self.redis.xread({self.key("kv-events"): after}, count=count, block=block_ms)
+        )  # [[stream, [(id, fields), ...]]], or None when nothing came in block_ms
+        batches = []
+        for _stream, entries in reply or ():
+            for entry_id, fields in entries:
+                after = entry_id
+                batches.append(KvEvents.decode(fields))
+        return after, batches
 
     async def _run(self, aw: Awaitable[T]) -> T:
         try:

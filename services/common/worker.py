@@ -18,6 +18,7 @@ from services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
     ExpertLoadReport,
+    KvEvents,
     LoadReport,
     WorkerRecord,
 )
@@ -34,6 +35,8 @@ from services.kv_transfer import LayoutFingerprint, TransferError
 from services.kv_transfer.ucx import stop_service_threads, use_service_defaults
 
 log = get_logger(__name__)
+KV_EVENTS_PERIOD_S = 0.1
+KV_EVENT_ROLES = ("prefill", "aggregated")  # the workers requests start on
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class EngineWorker(Service):
         self.kv_address = ""
         self._watch: asyncio.Task[None] | None = None
         self._publish: asyncio.Task[None] | None = None
+        self._kv_events: asyncio.Task[None] | None = None
         if self.dep_group:  # (an instance attribute over the subclass's class attribute)
             self.service_names = (*self.service_names, PLACEMENT_SERVICE)
 
@@ -125,6 +129,9 @@ class EngineWorker(Service):
         await self.cluster.register(record, self.load_report)
         self._watch = asyncio.create_task(self._watch_engine())
         self._publish = asyncio.create_task(self._publish_expert_load())
+        if self.role in KV_EVENT_ROLES:
+            eng.kv.record_events()
+            self._kv_events = asyncio.create_task(self._publish_kv_events())
 
     async def _publish_expert_load(self) -> None:
         """Every heartbeat: this engine's expert-load window, for the EPLB controller (the
@@ -142,6 +149,24 @@ class EngineWorker(Service):
             )  # fmt: skip
             with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
                 await self.cluster.publish_expert_load(group, rank, report)
+
+    async def _publish_kv_events(self) -> None:
+        """Every KV_EVENTS_PERIOD_S with changes: this worker's prefix-cache events, for the
+        schedulers' prefix indexes. The first entry, and the first after Redis was away (its
+        events were lost), starts over: ``cleared`` with every hash the cache holds now."""
+        kv = self.engine.engine.kv
+        start_over = True
+        while True:
+            events = kv.take_events(snapshot=start_over)
+            if events or start_over:
+                try:
+                    await self.cluster.publish_kv_events(
+                        KvEvents(self.worker_id, events, cleared=start_over)
+                    )
+                    start_over = False
+                except ClusterStateError:
+                    start_over = True
+            await asyncio.sleep(KV_EVENTS_PERIOD_S)
 
     async def _watch_engine(self) -> None:
         """A dead engine (a DEP peer that stopped answering fails every collective) cannot
@@ -167,7 +192,7 @@ class EngineWorker(Service):
 
     async def close(self) -> None:
         """Subclasses close their transports first, then call this."""
-        for task in (self._watch, self._publish):
+        for task in (self._watch, self._publish, self._kv_events):
             if task is not None:
                 task.cancel()
         await self.cluster.close()

@@ -5,6 +5,10 @@ is owned by the engine; this module decides which blocks each request uses. A fu
 identified by a chained hash of (parent block's hash, its token ids, a salt naming the model), so
 two requests that share a prefix share its blocks. Blocks no request references stay *cached*
 (findable by hash) until the pool needs them, oldest first (LRU).
+
+A worker that asks for them (:meth:`KVCacheManager.record_events`) gets a KV event for every hash
+that becomes findable (stored) or is evicted (removed); schedulers follow these to route a prompt
+to the worker that holds its prefix (see services/scheduler/prefix_index.py).
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import threading
 from array import array
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
 
 from services.engine.request import Request
 
 ROOT_HASH = 0
+DEFAULT_SALT = b"ferry"
 
 
 def hash_block(parent: int, token_ids: Sequence[int], salt: bytes) -> int:
@@ -26,6 +31,19 @@ def hash_block(parent: int, token_ids: Sequence[int], salt: bytes) -> int:
     h.update(parent.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
+
+
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, salt: bytes = DEFAULT_SALT
+) -> Iterator[int]:
+    """The chained hashes of the full blocks of ``token_ids``, first block first (lazily, so a
+    caller can stop at the first miss). An empty ``salt`` is the default one, as in
+    KVCacheManager."""
+    salt = salt or DEFAULT_SALT
+    parent = ROOT_HASH
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
+        yield parent
 
 
 class BlockPool:
@@ -38,6 +56,8 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         # Unreferenced blocks, least recently freed first; never-used blocks come first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # (True: stored, False: removed; hash) in order, while a worker follows them
+        self.events: deque[tuple[bool, int]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -51,6 +71,8 @@ class BlockPool:
         if old is not None:
             del self.hash_to_block[old]
             self.block_hash[block] = None
+            if self.events is not None:
+                self.events.append((False, old))
         self.ref_count[block] = 1
         return block
 
@@ -71,6 +93,8 @@ class BlockPool:
         if block_hash not in self.hash_to_block and self.block_hash[block] is None:
             self.hash_to_block[block_hash] = block
             self.block_hash[block] = block_hash
+            if self.events is not None:
+                self.events.append((True, block_hash))
 
 
 class KVCacheManager:
@@ -84,7 +108,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.salt = salt or b"ferry"
+        self.salt = salt or DEFAULT_SALT
         # Leases and KV transfers touch the pool from transport threads; the engine from its own.
         self.lock = threading.RLock()
         # Blocks referenced outside any request (KV leases, in-flight imports), by owner key.
@@ -98,6 +122,27 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    def record_events(self) -> None:
+        """From now on, keep a KV event for every hash stored or removed, until taken by
+        :meth:`take_events` (off by default: nobody would take them)."""
+        with self.lock:
+            if self.pool.events is None:
+                self.pool.events = deque()
+
+    def take_events(self, snapshot: bool = False) -> list[tuple[bool, int]]:
+        """The KV events since the last call, oldest first: (stored, block hash). With
+        ``snapshot``, instead, every hash findable now as stored (for a follower that starts
+        over: it lost events, or the worker just started)."""
+        with self.lock:
+            pool = self.pool
+            if snapshot:
+                events = [(True, h) for h in pool.hash_to_block]
+            else:
+                events = list(pool.events or ())
+            if pool.events is not None:
+                pool.events.clear()
+        return events
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -107,18 +152,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], []
         tokens = req.all_token_ids
-        bs = self.block_size
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = ROOT_HASH
         with self.lock:
-            for i in range((len(tokens) - 1) // bs):
-                parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self.salt)
-                block = self.pool.hash_to_block.get(parent)
+            for block_hash in prefix_hashes(tokens[: len(tokens) - 1], self.block_size, self.salt):
+                block = self.pool.hash_to_block.get(block_hash)
                 if block is None:
                     break
                 blocks.append(block)
-                hashes.append(parent)
+                hashes.append(block_hash)
         return blocks, hashes
 
     def allocate(

@@ -4,7 +4,9 @@ It reads the registry and load reports from Redis every ``refresh_s`` (never per
 what this scheduler has routed since each report, and keeps a short list of workers whose calls
 just failed (suspects) so that retries avoid them until their heartbeat key has expired. When
 Redis restarts (its run id changes) the registry is empty until the next heartbeats; for one
-TTL the view keeps the workers it knew, so a Redis restart is not an outage.
+TTL the view keeps the workers it knew, so a Redis restart is not an outage. Its PrefixIndex
+(fed from the workers' KV events by :func:`prefix_index.follow`) tells how much of a prompt each
+candidate holds.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from services.common.cluster_state import ClusterState, ClusterStateError, LoadReport, WorkerView
 from services.common.log import get_logger
 from services.scheduler.policies import Candidate
+from services.scheduler.prefix_index import PrefixIndex
 
 log = get_logger(__name__)
 
@@ -42,6 +45,7 @@ class ClusterView:
         self._redis_down = False
         self._server_id = ""
         self._restarted_at = -float("inf")
+        self.prefix = PrefixIndex()
 
     async def refresh(self) -> None:
         try:
@@ -55,6 +59,7 @@ class ClusterView:
             if now - self._restarted_at < self.suspect_s:
                 views = _merge(views, self._views)
             self._views = views
+            self.prefix.retain({v.record.worker_id for v in views})
             if self._redis_down:
                 log.info("cluster state reachable again")
             self._redis_down = False
@@ -71,20 +76,24 @@ class ClusterView:
     def workers(self, role: str | None = None) -> list[WorkerView]:
         return [v for v in self._views if role is None or v.record.role == role]
 
-    def candidates(self, role: str, exclude: Collection[str] = ()) -> list[Candidate]:
-        """Live workers of ``role`` not in ``exclude``; suspects only when nothing else is left."""
+    def candidates(
+        self, role: str, exclude: Collection[str] = (), block_hashes: Sequence[int] = ()
+    ) -> list[Candidate]:
+        """Live workers of ``role`` not in ``exclude``; suspects only when nothing else is left.
+        With ``block_hashes`` (a prompt's), each says how many leading blocks of it it holds."""
         now = time.monotonic()
         self._suspects = {w: t for w, t in self._suspects.items() if now - t < self.suspect_s}
         views = [v for v in self.workers(role) if v.record.worker_id not in exclude]
         healthy = [v for v in views if v.record.worker_id not in self._suspects]
-        return [self._candidate(v) for v in (healthy or views)]
+        cached = self.prefix.overlap(block_hashes)
+        return [self._candidate(v, cached.get(v.record.worker_id, 0)) for v in (healthy or views)]
 
-    def _candidate(self, view: WorkerView) -> Candidate:
+    def _candidate(self, view: WorkerView, cached_blocks: int) -> Candidate:
         load = view.load or LoadReport()
         since = [r for r in self._routed.get(view.record.worker_id, {}).values()
                  if r.at > load.updated_at]  # fmt: skip
         return Candidate(view.record, load, len(since), sum(r.tokens for r in since),
-                         sum(r.blocks for r in since))  # fmt: skip
+                         sum(r.blocks for r in since), cached_blocks)  # fmt: skip
 
     @contextmanager
     def routed(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> Iterator[None]:

@@ -12,4 +12,8 @@ TTFT = Histogram(
 GENERATED_TOKENS = Counter("ferry_scheduler_generated_tokens_total", "Tokens streamed to clients")
 PROMPT_TOKENS = Counter("ferry_scheduler_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter("ferry_scheduler_cached_tokens_total", "... of them from a prefix cache")
+EXPECTED_CACHED_TOKENS = Counter(
+    "ferry_scheduler_expected_cached_tokens_total",
+    "Prompt tokens the prefix index said the chosen worker held, when routed (kv_aware)",
+)  # fmt: skip
 PATHS = Counter("ferry_scheduler_path_requests_total", "Requests by path", ["path"])

@@ -3,7 +3,9 @@ serve a request.
 
 A policy sees each live worker's last load report (at most a heartbeat old) corrected by what
 this scheduler has routed there since that report (``Candidate.routed_*``), so that a burst of
-requests does not all land on the worker that looked idlest a second ago.
+requests does not all land on the worker that looked idlest a second ago. A prefill or
+aggregated candidate also says how many leading blocks of the prompt it holds in its prefix cache
+(``Candidate.cached_blocks``, from the scheduler's PrefixIndex), for the policies that ask for it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class Candidate:
     routed_requests: int = 0  # sent by this scheduler after ``load`` was reported
     routed_tokens: int = 0  # their prompt tokens (prefill) ...
     routed_blocks: int = 0  # ... and the KV blocks they will take (decode)
+    cached_blocks: int = 0  # leading blocks of this prompt in its prefix cache (uses_prefixes)
 
     @property
     def worker_id(self) -> str:
@@ -34,12 +37,15 @@ class RouteRequest:
     request_id: str
     num_prompt_tokens: int
     num_blocks: int  # KV blocks the prompt fills
+    block_size: int = 1
+    block_hashes: tuple[int, ...] = ()  # the chained hashes a prefix cache would match
 
 
 class RoutingPolicy(ABC):
     """Picks one of ``candidates`` (never empty) for a request."""
 
     name = ""
+    uses_prefixes = False  # wants RouteRequest.block_hashes and Candidate.cached_blocks
 
     @abstractmethod
     def pick_prefill(self, candidates: list[Candidate], request: RouteRequest) -> Candidate: ...
@@ -102,6 +108,33 @@ class LeastLoaded(RoutingPolicy):
                     c.routed_blocks - load.free_kv_blocks, c.worker_id)  # fmt: skip
 
         return min(candidates, key=busy)
+
+
+@register("kv_aware")
+class KvAware(LeastLoaded):
+    """Prefix-cache aware, like Dynamo's KV router. Prefill: the least prefill work once this
+    prompt is added, i.e. the worker's queued prompt tokens plus the prompt tokens it does not
+    hold; aggregated: the prompt blocks it would compute plus the KV blocks its requests hold.
+    Then fewest requests, then the lower worker id. Decode: as least_loaded. With no prefix
+    cached anywhere it picks as least_loaded does."""
+
+    uses_prefixes = True
+
+    def pick_prefill(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        def work(c: Candidate) -> tuple[int, int, str]:
+            new = request.num_prompt_tokens - c.cached_blocks * request.block_size
+            queued = c.load.queued_prefill_tokens + c.routed_tokens
+            return queued + new, c.load.running + c.load.waiting + c.routed_requests, c.worker_id
+
+        return min(candidates, key=work)
+
+    def pick_aggregated(self, candidates: list[Candidate], request: RouteRequest) -> Candidate:
+        def blocks(c: Candidate) -> tuple[int, int, str]:
+            held = c.load.total_kv_blocks - c.load.free_kv_blocks + c.routed_blocks
+            new = request.num_blocks - c.cached_blocks
+            return held + new, c.load.running + c.load.waiting + c.routed_requests, c.worker_id
+
+        return min(candidates, key=blocks)
 
 
 @register("round_robin")

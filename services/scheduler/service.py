@@ -7,7 +7,8 @@ aggregated worker refuses (full or down) before streaming anything and prefill w
 registered, the request takes the disaggregated path below; with no aggregated worker it always
 does. So a mixed cluster fills its aggregated workers first and spills over to P/D pairs.
 
-1. Pick a prefill worker (the routing policy, over the ClusterView) and call ``Prefill``; when
+1. Pick a prefill worker (the routing policy, over the ClusterView; ``kv_aware`` weighs how much
+   of the prompt each one holds in its prefix cache, from the workers' KV events) and call ``Prefill``; when
    the worker is down or full, retry on another one (bounded, with backoff): nothing has been
    streamed yet.
 2. Stream the first token at once (that is the time to first token).
@@ -45,9 +46,11 @@ from services.common.config import ServiceConfig
 from services.common.log import bind_request, get_logger
 from services.common.server import Service, abort_with
 from services.common.worker import KV_ERROR_KEY
+from services.engine.kv_cache import prefix_hashes
 from services.scheduler import metrics
 from services.scheduler.cluster_view import ClusterView
 from services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+from services.scheduler.prefix_index import follow
 
 log = get_logger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -56,7 +59,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 @dataclass(frozen=True)
 class SchedulerConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
-    routing_policy: str = "least_loaded"
+    routing_policy: str = "kv_aware"
     max_attempts: int = 3  # per stage (prefill, decode), first try included
     retry_backoff_s: float = 0.05  # doubled after every failed attempt
     refresh_s: float = 0.25  # how often the registry and loads are read from Redis
@@ -93,6 +96,7 @@ class Scheduler(Service):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._active: dict[str, asyncio.Task[object]] = {}
         self._refresher: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Servicer(self), server)
@@ -105,15 +109,18 @@ class Scheduler(Service):
                                                                updated_at=time.time()))  # fmt: skip
         await self.view.refresh()
         self._refresher = asyncio.create_task(self.view.run())
+        if self.policy.uses_prefixes:
+            self._follower = asyncio.create_task(follow(self.cluster, self.view.prefix))
 
     async def drain(self) -> None:
         await self.cluster.deregister()
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._follower):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for channel in self._channels.values():
             await channel.close()
         await self.cluster.close()
@@ -205,8 +212,15 @@ class Scheduler(Service):
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"limit of {limit} tokens",
             )
-        block_size = self._entry_workers()[0].record.block_size or 1
-        return RouteRequest(rid, n, -(-n // block_size))
+        entry = self._entry_workers()[0].record
+        block_size = entry.block_size or 1
+        hashes: tuple[int, ...] = ()
+        if self.policy.uses_prefixes:
+            # what a worker's prefix cache would match (all but the last token), salted as the
+            # workers salt their hashes: with the model's fingerprint
+            salt = entry.model_fingerprint.encode()
+            hashes = tuple(prefix_hashes(request.prompt_token_ids[: n - 1], block_size, salt))
+        return RouteRequest(rid, n, -(-n // block_size), block_size, hashes)
 
     def _entry_workers(self) -> list[WorkerView]:
         """The workers a request can start on: aggregated ones first, then prefill ones."""
@@ -256,17 +270,20 @@ class Scheduler(Service):
                 call.cancel()  # a no-op when the stream has ended
 
     async def _pick(self, role: str, tried: dict[str, Failed], route: RouteRequest) -> Candidate:
-        cands = self.view.candidates(role, exclude=tried)
+        hashes = route.block_hashes if role != "decode" else ()
+        cands = self.view.candidates(role, tried, hashes)
         if not cands and not tried:  # the view is refresh_s old: a worker may have just joined
             await self.view.refresh()
-            cands = self.view.candidates(role, exclude=tried)
+            cands = self.view.candidates(role, tried, hashes)
         if not cands:
             if tried:  # every worker failed: the last failure says why
                 raise list(tried.values())[-1]
             raise Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
         pick = {"prefill": self.policy.pick_prefill, "decode": self.policy.pick_decode,
                 "aggregated": self.policy.pick_aggregated}[role]  # fmt: skip
-        return pick(cands, route)
+        chosen = pick(cands, route)
+        metrics.EXPECTED_CACHED_TOKENS.inc(chosen.cached_blocks * route.block_size)
+        return chosen
 
     async def _after_failure(
         self, stage: str, cand: Candidate, e: grpc.aio.AioRpcError, attempt: int, streamed: bool

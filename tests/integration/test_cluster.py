@@ -1,6 +1,6 @@
 """The disaggregated cluster end to end: real redis-server, real `ferry up` processes, gRPC.
 
-Cluster A (1 prefill, 2 decode, UCX, least_loaded) serves, in file order: parity, metrics,
+Cluster A (1 prefill, 2 decode, UCX, kv_aware) serves, in file order: parity, metrics,
 streaming, cancellation, validation, Redis restart, a second scheduler replica, then the
 failure tests (kill -9 of decode-1, SIGTERM of decode-0, which ends it). Cluster B (2 prefill,
 1 decode, gRPC transport, round_robin) is for the prefill failure.

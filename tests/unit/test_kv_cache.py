@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.kv_cache import KVCacheManager, hash_block
+from services.engine.kv_cache import KVCacheManager, hash_block, prefix_hashes
 from services.engine.request import Request
 from tests.helpers import make_request
 
@@ -78,3 +78,34 @@ def test_prefix_caching_off() -> None:
     assert kv.match_prefix(make_request("b", list(range(9)))) == ([], [])
     kv.free(a)
     assert kv.usage()["cached"] == 0
+
+
+def test_kv_events_name_every_hash_stored_and_evicted_in_order() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4, salt=b"model")
+    assert kv.take_events() == []  # nobody asked: nothing is kept
+    kv.record_events()
+    old = make_request("old", list(range(9)))  # 2 full blocks + 1 token
+    run_prefill(kv, old)
+    stored = list(prefix_hashes(list(range(9)), 4, b"model"))
+    assert len(stored) == 2
+    assert kv.take_events() == [(True, h) for h in stored]
+    assert kv.take_events() == []  # taken
+    kv.free(old)
+    assert kv.take_events() == []  # freed blocks stay cached: still findable
+    big = make_request("big", [50 + i for i in range(16)])
+    run_prefill(kv, big)  # needs all four blocks: evicts both cached ones
+    events = kv.take_events()
+    # freed tail first, so evicted tail first
+    assert [e for e in events if not e[0]] == [(False, stored[1]), (False, stored[0])]
+    assert [h for s, h in events if s] == list(prefix_hashes(big.prompt_token_ids, 4, b"model"))
+    snapshot = kv.take_events(snapshot=True)
+    assert sorted(snapshot) == sorted((True, h) for h in kv.pool.hash_to_block)
+    assert kv.take_events() == []
+
+
+def test_prefix_hashes_are_what_the_cache_matches() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, salt=b"")
+    a = make_request("a", list(range(12)))
+    run_prefill(kv, a)
+    _, hashes = kv.match_prefix(make_request("b", list(range(12))))
+    assert hashes == list(prefix_hashes(list(range(11)), 4, b""))  # not the last token's block

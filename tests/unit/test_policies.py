@@ -15,7 +15,7 @@ def cand(wid: str, role: str, **load: int) -> Candidate:
 
 
 def test_registry_names_both_policies_and_rejects_others() -> None:
-    assert {"least_loaded", "round_robin"} <= set(POLICIES)
+    assert {"kv_aware", "least_loaded", "round_robin"} <= set(POLICIES)
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         create_policy("fastest")
 
@@ -67,3 +67,28 @@ def test_aggregated_workers_are_picked_by_requests_then_queued_tokens_then_room(
     rr = create_policy("round_robin")
     ws = [cand(w, "aggregated") for w in ("g1", "g0")]
     assert [rr.pick_aggregated(ws, REQ).worker_id for _ in range(3)] == ["g0", "g1", "g0"]
+
+
+def test_kv_aware_prefill_weighs_cached_prefix_against_queued_tokens() -> None:
+    policy = create_policy("kv_aware")
+    req = RouteRequest("r", num_prompt_tokens=1000, num_blocks=63, block_size=16)
+    hit = cand("p1", "prefill", queued_prefill_tokens=300)
+    hit = Candidate(hit.record, hit.load, cached_blocks=50)  # 800 of its 1000 tokens
+    idle = cand("p0", "prefill")
+    assert policy.pick_prefill([idle, hit], req).worker_id == "p1"  # 300 + 200 < 0 + 1000
+    busy = Candidate(hit.record, LoadReport(queued_prefill_tokens=900), cached_blocks=50)
+    assert policy.pick_prefill([idle, busy], req).worker_id == "p0"  # 900 + 200 > 1000
+    # nothing cached anywhere: as least_loaded, ties to the lower id
+    ws = [cand(w, "prefill") for w in ("p2", "p0", "p1")]
+    assert policy.pick_prefill(ws, req).worker_id == "p0"
+    assert policy.pick_decode(ws, req).worker_id == "p0"
+
+
+def test_kv_aware_aggregated_counts_blocks_to_compute_plus_blocks_held() -> None:
+    policy = create_policy("kv_aware")
+    req = RouteRequest("r", num_prompt_tokens=160, num_blocks=10, block_size=16)
+    a = cand("a", "aggregated", total_kv_blocks=100, free_kv_blocks=95)  # 5 + 10
+    b = cand("b", "aggregated", total_kv_blocks=100, free_kv_blocks=90)
+    b = Candidate(b.record, b.load, cached_blocks=9)  # 10 + 1
+    assert policy.pick_aggregated([a, b], req).worker_id == "b"
+    assert policy.uses_prefixes and not create_policy("least_loaded").uses_prefixes
