@@ -75,7 +75,13 @@ CONFIGS = {c.name: c for c in (
     ClusterConfig("1p2d", "1 prefill + 2 decode workers", ("--prefill", "1", "--decode", "2")),
     ClusterConfig("1p-dep2", "1 prefill worker + a 2-rank DEP decode group",
                   ("--prefill", "1", "--decode", "0", "--decode-dep", "2")),
+    # prefix-aware routing against load-only routing, where there is a prefill choice to make
+    ClusterConfig("2p1d-kv", "2 prefill + 1 decode worker, kv_aware routing",
+                  ("--prefill", "2", "--decode", "1", "--routing-policy", "kv_aware")),
+    ClusterConfig("2p1d-ll", "2 prefill + 1 decode worker, least_loaded routing",
+                  ("--prefill", "2", "--decode", "1", "--routing-policy", "least_loaded")),
 )}  # fmt: skip
+DEFAULT_CONFIGS = ("agg", "1p1d", "1p2d", "1p-dep2")
 
 
 # ---- the cluster -------------------------------------------------------------------------
@@ -470,7 +476,7 @@ def _plot_title(res: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--concurrency", default="1,2,4,8", help="live sessions per level")
     p.add_argument("--duration", type=int, default=30, help="seconds per level")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT at most (s)")
