@@ -21,8 +21,9 @@ exit status is 1 if any check failed. The JSON is rewritten after every case (``
 false`` until the last), so a run cut short still leaves what it measured.
 
 On a GPU machine that has torch and Triton but not this project's other packages (the device
-machines here), run it from the repository root with that machine's Python; it needs nothing
-else: ``python3 -m kernels.bench --out "$OUT/kernels.json"``. Its running time on an
+machines here), run it from the repository root with that machine's Python: the kernels need
+nothing else, the model suite numpy and safetensors too (no grpc, Redis or UCX):
+``python3 -m kernels.bench --out "$OUT/kernels.json"``. Its running time on an
 H200 has not been measured yet; every case is sized to take seconds.
 """
 

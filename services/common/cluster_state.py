@@ -6,9 +6,10 @@ that loses Redis (a restart, a network blip) re-registers by itself on the first
 through; a worker that dies leaves the registry when its keys expire.
 
 ``kv-events`` is a stream (capped at ``KV_EVENTS_MAXLEN`` entries) of the prefix-cache changes of
-the workers that requests start on: each entry names a worker and either ``cleared`` (its cache
-is empty: it just started) or ``events``, block hashes in hex, ``+`` stored and ``-`` removed,
-in order. Schedulers follow it to know which worker holds which prefix.
+the workers that requests start on: each entry names a worker, whether to forget what it held
+before (``cleared``: it just started, or lost events while Redis was away) and ``events``, block
+hashes in hex, ``+`` stored and ``-`` removed, in order. Schedulers follow it to know which
+worker holds which prefix.
 """
 
 from __future__ import annotations
@@ -283,7 +284,10 @@ class ClusterState:
         for _stream, entries in reply or ():
             for entry_id, fields in entries:
                 after = entry_id
-                batches.append(KvEvents.decode(fields))
+                try:
+                    batches.append(KvEvents.decode(fields))
+                except (KeyError, ValueError, IndexError):  # not ours: skip it, read on
+                    log.warning("malformed kv-events entry skipped", id=entry_id, fields=fields)
         return after, batches
 
     async def _run(self, aw: Awaitable[T]) -> T:

@@ -27,9 +27,9 @@ class PrefixIndex:
         self._heard: dict[str, float] = {}  # worker -> monotonic time of its last events
 
     def apply(self, batch: KvEvents) -> None:
-        self._heard[batch.worker_id] = time.monotonic()
         if batch.cleared:
             self.forget(batch.worker_id)
+        self._heard[batch.worker_id] = time.monotonic()
         held = self._held.setdefault(batch.worker_id, set())
         for stored, block_hash in batch.events:
             if stored:
@@ -76,6 +76,10 @@ class PrefixIndex:
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._held.get(worker_id, ()))
+
+    def workers(self) -> set[str]:
+        """The workers the index knows (whether or not they hold a block)."""
+        return set(self._held) | set(self._heard)
 
 
 async def follow(cluster: ClusterState, index: PrefixIndex, retry_s: float = 1.0) -> None:

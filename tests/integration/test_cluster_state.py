@@ -12,6 +12,7 @@ from infra.redis_server import free_port
 from services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
+    KvEvents,
     LoadReport,
     WorkerRecord,
     parse_redis_url,
@@ -123,3 +124,20 @@ def test_an_unreachable_redis_is_a_clear_error() -> None:
 def test_a_malformed_url_names_the_expected_forms() -> None:
     with pytest.raises(ValueError, match="expected redis://host:port/db"):
         parse_redis_url("http://127.0.0.1:6379")
+
+
+def test_kv_events_read_back_in_order_past_a_malformed_entry(redis: RedisServer) -> None:
+    async def main() -> None:
+        state = ClusterState(redis.url, "kv")
+        try:
+            first = KvEvents("p0", [(True, 1), (True, 2)], cleared=True)
+            await state.publish_kv_events(first)
+            await state.redis.xadd(state.key("kv-events"), {"events": "+zz"})  # not ours
+            await state.publish_kv_events(KvEvents("p0", [(False, 2)]))
+            last, batches = await state.read_kv_events("0", block_ms=0)
+            assert batches == [first, KvEvents("p0", [(False, 2)])]
+            assert await state.read_kv_events(last, block_ms=10) == (last, [])
+        finally:
+            await state.close()
+
+    asyncio.run(main())

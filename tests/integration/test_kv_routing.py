@@ -12,6 +12,7 @@ import pytest
 
 from services.common.cluster_state import ClusterState, KvEvents
 from services.engine.kv_cache import prefix_hashes
+from services.scheduler.prefix_index import PrefixIndex
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import redis_server
 
@@ -26,20 +27,16 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def holders(c: Cluster) -> dict[str, set[int]]:
-    """Every worker's cached block hashes, replayed from the whole kv-events stream."""
+def holders(c: Cluster) -> PrefixIndex:
+    """Which worker holds which block, replayed from the whole kv-events stream."""
 
     async def read(state: ClusterState) -> list[KvEvents]:
         return (await state.read_kv_events("0", block_ms=0))[1]
 
-    held: dict[str, set[int]] = {}
+    index = PrefixIndex()
     for batch in c.read(read):
-        if batch.cleared:
-            held[batch.worker_id] = set()
-        mine = held.setdefault(batch.worker_id, set())
-        for stored, h in batch.events:
-            (mine.add if stored else mine.discard)(h)
-    return held
+        index.apply(batch)
+    return index
 
 
 def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> None:
@@ -59,14 +56,15 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
     b_first = next(prefix_hashes(short_b, BLOCK_SIZE, salt))
 
     def published() -> bool:
-        held = holders(c)
-        return any(a_first in h for h in held.values()) and any(b_first in h for h in held.values())
+        index = holders(c)
+        return bool(index.overlap([a_first]) and index.overlap([b_first]))
 
     c.wait_for("both prefixes in kv-events", published, 5)
-    held = holders(c)
-    where_a = {w for w, h in held.items() if a_first in h}
-    where_b = {w for w, h in held.items() if b_first in h}
-    assert len(where_a) == len(where_b) == 1 and where_a != where_b, held.keys()
+    where_a, where_b = holders(c).overlap([a_first]), holders(c).overlap([b_first])
+    assert len(where_a) == len(where_b) == 1 and where_a.keys() != where_b.keys(), (
+        where_a,
+        where_b,
+    )
     time.sleep(0.5)  # the scheduler reads the stream as entries come; leave it a moment
 
     # Follow-ups share a prefix. least_loaded would send both to prefill-0 (idle, lower id),

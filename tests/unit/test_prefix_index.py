@@ -75,3 +75,11 @@ def test_a_restarted_worker_starts_over_and_departed_workers_are_forgotten() -> 
     index.retain(set(), now=time.monotonic() + 6)  # neither registered nor heard for 6 s
     assert index.overlap(list(prefix_hashes(list(range(9)), BS))) == {}
     assert index.num_blocks("p0") == 0
+
+
+def test_a_worker_heard_only_starting_is_forgotten_once_gone() -> None:
+    index = PrefixIndex(grace_s=5.0)
+    publish(index, "p9", worker_cache(), cleared=True)  # started, then died before any event
+    assert index.workers() == {"p9"}
+    index.retain(set(), now=time.monotonic() + 6)
+    assert index.workers() == set()
