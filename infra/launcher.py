@@ -135,13 +135,17 @@ class Launcher:
         for sched in (c for c in self.children if c.role == "scheduler"):
             with grpc.insecure_channel(sched.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                seen: set[str] = set()
-                while not workers <= seen:
+                bound: dict[str, int] = {}  # worker id -> the metrics port it bound
+                while not workers <= bound.keys():
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"{sched.name} does not see {sorted(workers - seen)}")
+                        missing = sorted(workers - bound.keys())
+                        raise RuntimeError(f"{sched.name} does not see {missing}")
                     reply = stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=5)
-                    seen = {w.info.worker_id for w in reply.workers}
+                    bound = {w.info.worker_id: w.info.metrics_port for w in reply.workers}
                     time.sleep(0.1)
+                # a metrics port taken before its service bound it moved (see metrics_http)
+                for child in self.children:
+                    child.metrics_port = bound.get(child.name) or child.metrics_port
 
     def describe(self) -> str:
         lines = [f"  redis      {self.redis_url}" + ("  (private)" if self.redis else "")]
