@@ -195,7 +195,7 @@ def main() -> None:
         "--ucx-progress-mode",
         default=None,
         choices=["thread", "polling", "blocking"],
-        help="ucxx progress mode of both processes (UCXPY_PROGRESS_MODE); default: ucxx's",
+        help="ucxx progress mode of both processes (UCXPY_PROGRESS_MODE); default: Ferry's, ucx.UCX_DEFAULTS",
     )
     ap.add_argument(
         "--runs",

@@ -40,19 +40,33 @@ if TYPE_CHECKING:
 
 # UCX reads its configuration from the environment once, when ucxx is imported. Defaults, each
 # measured with loadtest/bench_kv_transfer.py and a plain ucxx loop of 126 MB messages here:
-# - blocking progress (ucxx waits on UCX's event fd in the asyncio loop): ~2.3x ucxx's default
-#   progress thread, as fast as polling;
+# - polling progress (a task in the asyncio loop progresses the worker between other tasks):
+#   ~2.3x ucxx's default progress thread. Not ucxx's `blocking` mode, as fast but able to
+#   livelock: its re-arm task awaits sock_recv on a socket whose peer is closed, which returns
+#   at once without yielding, so while ucp_worker_arm answers busy that task never gives the
+#   loop back and no timer fires, a transfer's timeout included. A connect that never completed
+#   (below) hung test_kv_transfer.py that way in CI; with polling it fails after connect_timeout;
 # - shared memory with error handling: ucxx's endpoints ask for peer failure detection (so that
 #   a dead peer fails a transfer instead of killing this process), and UCX leaves out every
 #   transport that does not offer it; posix/sysv offer it only when asked (UCX_MM_ERROR_HANDLING),
-#   and without an intra-node AM lane UCX never uses cma either: every byte went over tcp/lo;
+#   and without an intra-node AM lane UCX never uses cma either: every byte went over tcp/lo
+#   (deepseek-v3 layout, 32k tokens: 1.1 GB/s against 9.6 with shared memory, one run). The
+#   price: UCX's shared-memory path does not fully survive a peer's death. An exporter SIGKILLed
+#   during get_zcopy pulls can leave the importing process unable to connect to any new peer
+#   (every later connect times out). Measured with one importer process killing exporter after
+#   exporter: with a new event loop per kill, wedged within 1 to 7 kills in each of 5 loops;
+#   with one loop, 0 of 10 kills (polling) and 1 of 20 (the services' progress thread); none
+#   of 20 without shared memory, none of 28 with put_zcopy (which moves the cma copies to the
+#   exporter instead). Such a worker counts ferry_kv_transfer_failures_total{reason="connect"}
+#   on every pull and needs a restart; set UCX_MM_ERROR_HANDLING=n where surviving a peer's
+#   death matters more than bandwidth;
 # - UCX's own rendezvous choice (auto; get_zcopy over cma on one host: the importer reads the
 #   exporter's blocks straight into its own, one copy): 2.4x put_zcopy on the deepseek-v3
 #   layout (10.3 vs 4.3 GB/s at 32k tokens), which was only faster while everything went
 #   over tcp. Set UCX_RNDV_SCHEME to override;
 # - no warning about the variables ucxx itself sets.
 UCX_DEFAULTS = {
-    "UCXPY_PROGRESS_MODE": "blocking",
+    "UCXPY_PROGRESS_MODE": "polling",
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 import pytest
 import torch
@@ -122,6 +123,14 @@ def test_exporter_killed_mid_transfer(transport: str) -> None:
         imp.kv.check_integrity()
 
 
+def _result(stdout: IO[str]) -> str:
+    """The next line a child process printed after "RESULT " (UCX and the logs print there too)."""
+    while line := stdout.readline():
+        if line.startswith("RESULT "):
+            return line.removeprefix("RESULT ").rstrip("\n")
+    raise AssertionError("the child process exited without its result")
+
+
 # A second process that pulls the handles it reads from stdin, one after another, until killed.
 PULL_FOREVER = """
 import asyncio, sys, torch
@@ -136,60 +145,88 @@ async def main():
     for h in handles:
         await imp.pull(h)
         imp.kv.release_hold(imp.hold_key(h))
-        print("pulled", flush=True)
+        print("RESULT pulled", flush=True)
+asyncio.run(main())
+"""
+
+
+# An importer that outlives its exporter: it pulls the first handle into every block and checks
+# the bytes, says so, then pulls the rest until the exporter is killed under it, and reports.
+SURVIVE_EXPORTER = """
+import asyncio, json, sys, time, torch
+from services.engine.kv_cache import KVCacheManager
+from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, TransferError, create_transport
+from services.kv_transfer.synthetic_exporter import make_cache
+layers, blocks, bs, dim, seed = map(int, sys.argv[1:6])
+lines = sys.stdin.read().splitlines()
+src, handles = json.loads(lines[0]), [KvHandle.from_json(line) for line in lines[1:]]
+cache = torch.zeros(layers, blocks, bs, dim)
+imp = KvImporter(create_transport("ucx"), cache, KVCacheManager(blocks, bs),
+                 LayoutFingerprint("test-model", "float32", layers, dim, bs), 10.0, verify_checksum=True)
+async def main():
+    await imp.pull(handles[0], list(range(blocks)))
+    exact = torch.equal(cache, make_cache(layers, blocks, bs, dim, seed)[:, src])
+    print("RESULT", json.dumps({"bit_exact": exact}), flush=True)
+    started, error = time.monotonic(), ""
+    try:
+        for h in handles[1:]:
+            await imp.pull(h, None)
+            imp.kv.release_hold(imp.hold_key(h))
+    except TransferError as e:
+        error = type(e).__name__
+    seconds = time.monotonic() - started
+    await imp.transport.close()
+    imp.kv.check_integrity()
+    print("RESULT", json.dumps({"error": error, "seconds": seconds, "in_use": imp.kv.usage()["in_use"]}))
 asyncio.run(main())
 """
 
 
 def test_ucx_peers_killed_while_bytes_move() -> None:
     """Shared-memory transfers keep UCX's peer failure handling: an importer killed mid-pull
-    leaves the exporter serving, and an exporter killed mid-pull fails that pull (in this
-    process, which survives) with every destination block free again."""
+    leaves the exporter serving, and an exporter killed mid-pull fails that pull (in the importer,
+    which survives) with every destination block free again.
+
+    Both importers are child processes: a peer killed in the middle of a shared-memory transfer
+    can leave the survivor's UCX worker unable to reach new peers (see ucx.UCX_DEFAULTS), and
+    this process goes on to test other transfers."""
     args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS),
             "--sizes", ",".join(["256"] * 400), "--contiguous", "--reuse-blocks"]  # fmt: skip
-    expected = make_cache(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM, SEED)
+    shape = [str(x) for x in (LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)]
     with exporter_process(*args) as (proc, handles, srcs):
-        child = subprocess.Popen(
-            [sys.executable, "-c", PULL_FOREVER, str(LAYERS), str(WIDE_BLOCKS), str(BS), str(WIDE_DIM)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        child = subprocess.Popen([sys.executable, "-c", PULL_FOREVER, *shape],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write("".join(h.to_json() + "\n" for h in handles[:300]))
         child.stdin.close()
-        for _ in range(
-            5
-        ):  # it is pulling: kill it between two of its 64 MB transfers or inside one
-            assert child.stdout.readline() == "pulled\n"
+        # it is pulling: kill it between two of its 64 MB transfers or inside one
+        for _ in range(5):
+            assert _result(child.stdout) == "pulled"
         child.kill()
         child.wait(10)
         time.sleep(0.5)
         assert proc.poll() is None, "the exporter died with its importer"
 
-        cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
-        imp = KvImporter(create_transport("ucx"), cache, KVCacheManager(WIDE_BLOCKS, BS), WIDE,
-                         transfer_timeout=10.0, verify_checksum=True)  # fmt: skip
-
-        async def run() -> float:
-            await imp.pull(handles[300], list(range(WIDE_BLOCKS)))  # the exporter still serves
-            assert torch.equal(cache, expected[:, srcs[300]])
-
-            async def pull_rest() -> None:
-                for h in handles[301:]:
-                    await imp.pull(h, None)
-                    imp.kv.release_hold(imp.hold_key(h))
-
-            task = asyncio.create_task(pull_rest())
-            await asyncio.sleep(0.3)
+        survivor = subprocess.Popen([sys.executable, "-c", SURVIVE_EXPORTER, *shape, str(SEED)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert survivor.stdin is not None and survivor.stdout is not None
+            survivor.stdin.write(json.dumps(srcs[300]) + "\n")
+            survivor.stdin.write("".join(h.to_json() + "\n" for h in handles[300:]))
+            survivor.stdin.close()
+            # the exporter still serves, bit-exact
+            assert json.loads(_result(survivor.stdout)) == {"bit_exact": True}
+            time.sleep(0.3)  # into the pulls of the rest
             os.kill(proc.pid, signal.SIGKILL)
-            started = time.monotonic()
-            with pytest.raises(TransferError):
-                await task
-            await imp.transport.close()
-            return time.monotonic() - started
-
-        assert asyncio.run(run()) < 10.0
-        assert imp.kv.usage()["in_use"] == 0
-        imp.kv.check_integrity()
+            report = json.loads(_result(survivor.stdout))
+            assert survivor.wait(10) == 0
+        finally:
+            if survivor.poll() is None:
+                survivor.kill()
+                survivor.wait(10)
+    assert report["error"] == "TransferError"
+    assert report["seconds"] < 10.0
+    assert report["in_use"] == 0
 
 
 # Wide blocks (64 KiB per layer), so that 16 consecutive blocks make a run that moves in place.
