@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra.children import die_with_parent
-from infra.redis_server import free_port, start_redis
+from infra.ports import free_port
+from infra.redis_server import start_redis
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 WORKER_ROLES = ["prefill", "decode", "aggregated"]

@@ -4,20 +4,12 @@ with the process that started it."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import redis
 
 from infra.children import die_with_parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_redis(

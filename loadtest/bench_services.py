@@ -39,7 +39,7 @@ import grpc
 import torch
 
 from infra.launcher import ClusterSpec, Launcher
-from infra.redis_server import free_port
+from infra.ports import free_port
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.engine import Engine, EngineConfig, SamplingParams
 

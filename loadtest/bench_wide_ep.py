@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kernels as ops
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine import Engine, EngineConfig, SamplingParams
 from services.engine.expert_parallel import EPGroup, combine, dispatch
 from services.engine.experts import ExpertPlacement

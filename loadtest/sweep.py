@@ -52,7 +52,7 @@ import numpy as np
 from agentx import WorkloadConfig, generate_sessions, summary, write_trace
 from prometheus_client.parser import text_string_to_metric_families
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.common.cluster_state import ClusterState
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import grpc
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.cluster_state import ClusterState, WorkerView
 

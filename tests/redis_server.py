@@ -6,7 +6,8 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from infra.redis_server import free_port, start_redis
+from infra.ports import free_port
+from infra.redis_server import start_redis
 
 
 class RedisServer:

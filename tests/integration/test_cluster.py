@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint

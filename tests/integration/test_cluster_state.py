@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.common.cluster_state import (
     ClusterState,
     ClusterStateError,

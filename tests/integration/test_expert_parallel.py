@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine.expert_parallel import EPGroup
 from services.engine.experts import ExpertPlacement
 from services.engine.model import load_model, prompt_logits

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine.expert_parallel import EPGroup
 from services.engine.expert_rebalance import Move, OrderRejected, PlacementOrder, layer_moves
 from services.engine.experts import ExpertPlacement

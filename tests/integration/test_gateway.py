@@ -18,7 +18,7 @@ import pytest
 
 from gateway.chat_template import ChatTemplate
 from gateway.sdk import AuthenticationError, FerryClient
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.helpers import make_hf_checkpoint

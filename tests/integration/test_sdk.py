@@ -17,7 +17,7 @@ from gateway.sdk import (
     NotFoundError,
     UnavailableError,
 )
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.redis_server import redis_server

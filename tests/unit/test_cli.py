@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.redis_server import free_port
+from infra.ports import free_port
 from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
 from services.engine.model import load_model, prompt_logits
 from tests.redis_server import redis_server
