@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from services.common.log import get_logger
 from services.kv_transfer.handle import LeaseNotFound, TransferError
 from services.kv_transfer.staging import (
     TransferPlan,
@@ -37,6 +38,8 @@ from services.kv_transfer.transport import KvSink, KvTransport, register
 if TYPE_CHECKING:
     from services.kv_transfer.endpoints import KvExporter
     from services.kv_transfer.handle import KvHandle
+
+log = get_logger(__name__)
 
 # UCX reads its configuration from the environment once, when ucxx is imported. Defaults, each
 # measured with loadtest/bench_kv_transfer.py and a plain ucxx loop of 126 MB messages here:
@@ -57,8 +60,9 @@ if TYPE_CHECKING:
 #   exporter: with a new event loop per kill, wedged within 1 to 7 kills in each of 5 loops;
 #   with one loop, 0 of 10 kills (polling) and 1 of 20 (the services' progress thread); none
 #   of 20 without shared memory, none of 28 with put_zcopy (which moves the cma copies to the
-#   exporter instead). Such a worker counts ferry_kv_transfer_failures_total{reason="connect"}
-#   on every pull and needs a restart; set UCX_MM_ERROR_HANDLING=n where surviving a peer's
+#   exporter instead). Such a worker counts
+#   ferry_kv_transfer_failures_total{reason="connect_timeout"} on every pull (a dead peer's
+#   closed port usually fails at once, as reason "connect") and needs a restart; set UCX_MM_ERROR_HANDLING=n where surviving a peer's
 #   death matters more than bandwidth;
 # - UCX's own rendezvous choice (auto; get_zcopy over cma on one host: the importer reads the
 #   exporter's blocks straight into its own, one copy): 2.4x put_zcopy on the deepseek-v3
@@ -78,6 +82,10 @@ UCX_DEFAULTS = {
 # process-wide context to one event loop, which is why this is for services only.
 UCX_SERVICE_DEFAULTS = {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 CLOSE_WAIT_S = 2.0  # how long close() waits for the listener's handlers to end
+WEDGED_HINT = (
+    "if connects to every peer time out, a peer killed mid-transfer may have wedged this "
+    "process's UCX shared memory: restart it (UCX_MM_ERROR_HANDLING=n avoids this)"
+)
 
 
 def use_service_defaults() -> None:
@@ -229,6 +237,7 @@ class UcxTransport(KvTransport):
         if self._idle[peer]:
             return self._idle[peer].pop()
         ucxx = _ucxx()
+        where = f"{handle.worker_id} at {handle.host}:{handle.port}"
         try:
             return await asyncio.wait_for(
                 ucxx.create_endpoint(
@@ -236,11 +245,19 @@ class UcxTransport(KvTransport):
                 ),
                 self.connect_timeout,
             )
+        except TimeoutError as e:
+            # A dead peer's closed port usually fails at once; a handshake that never ends is a
+            # stopped or overloaded peer, or this process's UCX wedged (see UCX_DEFAULTS).
+            log.error("ucx_connect_timeout", transfer_id=handle.transfer_id, peer=where,
+                      seconds=self.connect_timeout, hint=WEDGED_HINT)  # fmt: skip
+            raise TransferError(
+                "connect_timeout", f"transfer {handle.transfer_id}: {where} did not complete the "
+                f"UCX handshake within {self.connect_timeout:.1f}s",
+            ) from e  # fmt: skip
         except Exception as e:
             raise TransferError(
-                "connect", f"transfer {handle.transfer_id}: cannot reach {handle.worker_id} at "
-                f"{handle.host}:{handle.port} ({e!r})",
-            ) from e  # fmt: skip
+                "connect", f"transfer {handle.transfer_id}: cannot reach {where} ({e!r})"
+            ) from e
 
     async def _call(
         self, handle: KvHandle, msg: dict[str, Any], sink: KvSink | None = None

@@ -6,9 +6,11 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO
@@ -332,3 +334,36 @@ def test_local_transport_roundtrip() -> None:
         return dst
 
     assert len(asyncio.run(run())) == 3
+
+
+def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
+    """A port that accepts but never completes UCX's handshake fails after connect_timeout as
+    `connect_timeout` (counted and logged), the reason a wedged UCX worker shows (see
+    ucx.UCX_DEFAULTS); a dead peer's closed port usually fails at once, as `connect`."""
+    from services.kv_transfer import metrics
+    from services.kv_transfer.ucx import UcxTransport
+
+    def failures() -> float:
+        return float(metrics.FAILED_TRANSFERS.labels("ucx", "connect_timeout")._value.get())
+
+    async def pull(port: int) -> tuple[str, float]:
+        imp = KvImporter(UcxTransport(connect_timeout=3.0), torch.zeros(LAYERS, 4, BS, DIM),
+                         KVCacheManager(4, BS), LAYOUT, transfer_timeout=10.0)  # fmt: skip
+        handle = KvHandle(uuid.uuid4().hex, "prefill-x", "127.0.0.1", port, 16, BS, 1, LAYOUT,
+                          time.time() + 30)  # fmt: skip
+        started = time.monotonic()
+        try:
+            with pytest.raises(TransferError) as info:
+                await imp.pull(handle)
+        finally:
+            await imp.transport.close()
+        assert imp.kv.usage()["in_use"] == 0
+        return info.value.reason, time.monotonic() - started
+
+    before = failures()
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        reason, seconds = asyncio.run(pull(silent.getsockname()[1]))
+    assert reason == "connect_timeout" and 2.9 < seconds < 8.0
+    assert failures() == before + 1
