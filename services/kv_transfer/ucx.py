@@ -62,8 +62,8 @@ log = get_logger(__name__)
 #   of 20 without shared memory, none of 28 with put_zcopy (which moves the cma copies to the
 #   exporter instead). Such a worker counts
 #   ferry_kv_transfer_failures_total{reason="connect_timeout"} on every pull (a dead peer's
-#   closed port usually fails at once, as reason "connect") and needs a restart; set UCX_MM_ERROR_HANDLING=n where surviving a peer's
-#   death matters more than bandwidth;
+#   closed port usually fails at once, as reason "connect") and needs a restart; set
+#   UCX_MM_ERROR_HANDLING=n where surviving a peer's death matters more than bandwidth;
 # - UCX's own rendezvous choice (auto; get_zcopy over cma on one host: the importer reads the
 #   exporter's blocks straight into its own, one copy): 2.4x put_zcopy on the deepseek-v3
 #   layout (10.3 vs 4.3 GB/s at 32k tokens), which was only faster while everything went
