@@ -179,8 +179,14 @@ class ClusterState:
         await pipe.execute()
 
     async def _heartbeat(self) -> None:
-        while True:
+        # Ends when deregister() clears the record, not only on cancel: redis-py (8.2) can
+        # swallow a cancellation that lands inside a pipeline's execute, and the loop went on
+        # writing the record while deregister() waited for it for ever (a failed DEP rank
+        # stayed registered and never stopped).
+        while self._record is not None:
             await asyncio.sleep(self.heartbeat_s)
+            if self._record is None:
+                return
             try:
                 await self._write()
             except REDIS_DOWN as e:
@@ -199,16 +205,16 @@ class ClusterState:
 
     async def deregister(self) -> None:
         """Stop the heartbeat and delete the keys at once (Redis errors are ignored)."""
+        record, self._record = self._record, None  # the heartbeat writes nothing more
         if self._beat is not None:
             self._beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
+                await self._beat  # a write in flight lands before the delete below
             self._beat = None
-        if self._record is not None:
-            wid = self._record.worker_id
+        if record is not None:
+            wid = record.worker_id
             with contextlib.suppress(*REDIS_DOWN):
                 await self.redis.delete(self.key("worker", wid), self.key("load", wid))
-            self._record = None
 
     async def workers(self, role: str | None = None) -> list[WorkerView]:
         """Every live worker (of ``role``), sorted by worker id.

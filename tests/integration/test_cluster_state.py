@@ -55,6 +55,29 @@ def test_register_reads_back_record_and_load(redis: RedisServer) -> None:
     asyncio.run(main())
 
 
+def test_deregister_ends_even_when_the_cancel_lands_inside_a_heartbeat_write(
+    redis: RedisServer,
+) -> None:
+    """redis-py can swallow a cancellation inside a pipeline's execute; deregister() must still
+    end, and leave no record behind, whenever it comes (heartbeats every 0.5 ms here)."""
+
+    async def main() -> None:
+        reader = ClusterState(redis.url, "c")
+        for i in range(60):
+            worker = ClusterState(redis.url, "c", heartbeat_s=0.0005)
+            await worker.register(record(f"decode-{i}"), lambda: LoadReport(updated_at=1.0))
+            await asyncio.sleep(0.001 * (i % 7))
+            task = asyncio.ensure_future(worker.deregister())
+            done, _ = await asyncio.wait({task}, timeout=3.0)
+            assert task in done, f"deregister #{i} did not end"
+            await worker.close()
+        await asyncio.sleep(0.05)
+        assert await reader.workers() == []
+        await reader.close()
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_stops_beating_expires_within_the_ttl(redis: RedisServer) -> None:
     async def main() -> None:
         worker = ClusterState(redis.url, "c", heartbeat_s=0.1, ttl_s=0.5)
