@@ -183,7 +183,7 @@ class ClusterState:
         # swallow a cancellation that lands inside a pipeline's execute, and the loop went on
         # writing the record while deregister() waited for it for ever (a failed DEP rank
         # stayed registered and never stopped).
-        while self._record is not None:
+        while True:
             await asyncio.sleep(self.heartbeat_s)
             if self._record is None:
                 return

@@ -28,8 +28,10 @@ from services.kv_transfer import (
     LeaseNotFound,
     TransferError,
     create_transport,
+    metrics,
 )
 from services.kv_transfer.synthetic_exporter import make_cache
+from services.kv_transfer.ucx import UcxTransport
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
 LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
@@ -340,8 +342,6 @@ def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
     """A port that accepts but never completes UCX's handshake fails after connect_timeout as
     `connect_timeout` (counted and logged), the reason a wedged UCX worker shows (see
     ucx.UCX_DEFAULTS); a dead peer's closed port usually fails at once, as `connect`."""
-    from services.kv_transfer import metrics
-    from services.kv_transfer.ucx import UcxTransport
 
     def failures() -> float:
         return float(metrics.FAILED_TRANSFERS.labels("ucx", "connect_timeout")._value.get())
