@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch._dynamo  # before any process group exists: see EPGroup.init
 import torch.distributed as dist
 
 
@@ -32,7 +33,13 @@ class EPGroup:
     @classmethod
     def init(cls, size: int, rank: int, master: str, timeout_s: float = 30.0) -> EPGroup:
         """Join the group whose rank 0 listens at ``master`` (host:port). A rank that stops
-        answering makes the others' collectives fail after ``timeout_s``."""
+        answering makes the others' collectives fail after ``timeout_s``.
+
+        torch._dynamo is imported at the top of this module on purpose: imported after the
+        group exists (building a model does), it keeps a reference to the group, so that
+        destroy_process_group() in close() left gloo's threads and rank 0's TCPStore running
+        until interpreter shutdown, where tearing them down now and then aborted the process
+        ("terminate called without an active exception") after its work had succeeded."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master}", world_size=size,
                                 rank=rank, timeout=timedelta(seconds=timeout_s))  # fmt: skip
