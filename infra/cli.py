@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from infra import flags
+from infra.restarts import RESTART_MODES
 from services.engine.model.presets import PRESETS
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
@@ -61,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from infra.launcher import ClusterSpec, run
+    from infra.restarts import RestartPolicy
 
     worker = ["--model", args.model, "--kv-transport", args.kv_transport,
               "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
@@ -77,7 +79,7 @@ def _up(args: argparse.Namespace) -> int:
         prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, host=args.host,
         scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url,
-        cluster=args.cluster,
+        cluster=args.cluster, restart=RestartPolicy(args.restart),
         serve_args={"prefill": worker, "decode": worker, "aggregated": worker, "gateway": gateway,
                     "scheduler": ["--routing-policy", args.routing_policy],
                     "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)]},
@@ -142,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")
     flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
+    flags.add(
+        up,
+        "--restart",
+        "on-failure",
+        "start a dead child again (a DEP group as one): after a crash, after any exit, or never",
+        choices=list(RESTART_MODES),
+    )
     up.set_defaults(func=_up)
 
     serve = sub.add_parser("serve", help="run one service (the unit a pod runs)")

@@ -4,8 +4,13 @@ Starts a private redis-server (unless a Redis URL is given), then the prefill, d
 aggregated workers, the scheduler and (when there is a DEP group) the EPLB controller, each as
 ``ferry serve ROLE``; waits until every one answers its gRPC
 health check; prints the endpoints; and on Ctrl-C / SIGTERM stops them all (scheduler first,
-redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG). A worker
-that dies is reported and the others go on serving; the exit code is then non-zero.
+redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
+
+A child that dies is reported and the others go on serving; by the restart policy
+(``infra/restarts.py``, ``--restart``) it is started again on the same ports after a back-off. A
+DEP group restarts as one unit: a rank's death fails its peers, so the survivors are stopped and
+every rank starts over on a new master (which also names a new group in Redis). The exit code is
+non-zero when any child died on its own.
 """
 
 from __future__ import annotations
@@ -25,18 +30,33 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infra.children import die_with_parent
 from infra.ports import free_port
 from infra.redis_server import start_redis
+from infra.restarts import Backoff, RestartPolicy
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 WORKER_ROLES = ["prefill", "decode", "aggregated"]
+STOP_GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
 
 
 @dataclass
 class Child:
     name: str
     role: str
-    address: str  # gRPC host:port ("" for redis)
+    address: str  # gRPC host:port (the gateway's: its HTTP host:port)
     metrics_port: int
     proc: subprocess.Popen[bytes]
+    cmd: list[str]  # what started it, and starts it again
+    unit: str  # what it restarts with: its own name, or its DEP group's
+
+
+@dataclass
+class Unit:
+    """Children that live and restart together: one service, or every rank of a DEP group."""
+
+    name: str
+    backoff: Backoff
+    state: str = "serving"  # serving | stopping | waiting | starting | down (for good)
+    started: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0  # stopping: SIGKILL after; waiting: start again at
 
 
 @dataclass
@@ -53,6 +73,7 @@ class ClusterSpec:
     redis_url: str = ""  # "": start a private redis-server
     cluster: str = "default"
     startup_timeout_s: float = 180.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     serve_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
 
 
@@ -60,6 +81,7 @@ class Launcher:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.children: list[Child] = []
+        self.units: dict[str, Unit] = {}
         self.redis: subprocess.Popen[bytes] | None = None
         self.redis_url = spec.redis_url
         self._stop = threading.Event()
@@ -76,8 +98,9 @@ class Launcher:
             if dep > 1:  # one DEP group of `dep` ranks, besides `count` independent workers
                 master = f"{s.host}:{free_port(s.host)}"
                 for r in range(dep):
-                    self._spawn(role, f"{role}-r{r}", extra=["--dep-size", str(dep), "--dep-rank",
-                                                             str(r), "--dep-master", master])  # fmt: skip
+                    self._spawn(role, f"{role}-r{r}", unit=f"{role}-dep",
+                                extra=["--dep-size", str(dep), "--dep-rank", str(r),
+                                       "--dep-master", master])  # fmt: skip
             for i in range(count):
                 self._spawn(role, f"{role}-{i}")
         self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
@@ -87,15 +110,22 @@ class Launcher:
         if s.gateway_port:
             self._spawn_gateway()
 
-    def _spawn(self, role: str, name: str, port: int = 0, extra: list[str] | None = None) -> None:
+    def _spawn(
+        self, role: str, name: str, port: int = 0, unit: str = "", extra: list[str] | None = None
+    ) -> None:
         port = port or free_port(self.spec.host)
         metrics_port = free_port(self.spec.host)
         cmd = [sys.executable, "-m", "infra.cli", "serve", role, "--worker-id", name,
                "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
                "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
                *self.spec.serve_args.get(role, []), *(extra or [])]  # fmt: skip
-        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
-        self.children.append(Child(name, role, f"{self.spec.host}:{port}", metrics_port, proc))
+        self._add(Child(name, role, f"{self.spec.host}:{port}", metrics_port, _popen(cmd), cmd,
+                        unit or name))  # fmt: skip
+
+    def _add(self, child: Child) -> None:
+        self.children.append(child)
+        if child.unit not in self.units:
+            self.units[child.unit] = Unit(child.unit, Backoff(self.spec.restart))
 
     def _spawn_gateway(self) -> None:
         s = self.spec
@@ -103,9 +133,10 @@ class Launcher:
         cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--host", s.host,
                "--port", str(s.gateway_port), "--grpc-port", str(s.grpc_port),
                "--scheduler", scheduler, *s.serve_args.get("gateway", [])]  # fmt: skip
-        proc = subprocess.Popen(cmd, preexec_fn=die_with_parent)
-        child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc)
-        self.children.append(child)
+        proc = _popen(cmd)
+        child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc,
+                      cmd, "gateway")  # fmt: skip
+        self._add(child)
         url = f"http://{child.address}/health"
         deadline = time.monotonic() + s.startup_timeout_s
         while not _http_ok(url):
@@ -163,21 +194,85 @@ class Launcher:
     def wait(self) -> int:
         """Serve until asked to stop; returns 1 if any child died on its own, else 0.
 
-        A dead worker is reported and the rest keep serving (the scheduler routes around it, as
-        it would in a real deployment). The cluster stops when the scheduler or redis is gone, or
-        when no aggregated worker and no prefill + decode pair is left: nothing could be served.
+        A dead child is reported, the rest keep serving (the scheduler routes around a dead
+        worker, as it would in a real deployment), and the restart policy may start it again.
+        The cluster stops when redis is gone, or when, among the children not dead for good, no
+        scheduler or gateway is left, or no aggregated worker and no prefill + decode pair:
+        nothing could be served.
         """
-        reported: set[str] = set()
+        reported: set[int] = set()  # pids
         while not self._stop.wait(0.5):
             for c in self.children:
-                if c.proc.poll() is not None and c.name not in reported:
-                    reported.add(c.name)
-                    print(f"ferry up: {c.name} exited with code {c.proc.returncode}",
-                          file=sys.stderr, flush=True)  # fmt: skip
+                if c.proc.poll() is not None and c.proc.pid not in reported:
+                    reported.add(c.proc.pid)
+                    self._say(f"{c.name} exited with code {c.proc.returncode}")
+            for unit in self.units.values():
+                self._tend(unit)
             if fatal := self._fatal():
-                print(f"ferry up: {fatal}; stopping the cluster", file=sys.stderr, flush=True)
+                self._say(f"{fatal}; stopping the cluster")
                 break
         return 1 if reported or self._fatal() else 0
+
+    def _tend(self, unit: Unit) -> None:
+        """One step of ``unit``'s life: notice a death, stop the rest of its group, wait out the
+        back-off, start it again, see it serve."""
+        members = [c for c in self.children if c.unit == unit.name]
+        if unit.state in ("serving", "starting"):
+            self._watch(unit, members)
+        if unit.state == "stopping":
+            self._reap(unit, members)
+        if unit.state == "waiting" and time.monotonic() >= unit.deadline:
+            self._restart(unit, members)
+
+    def _watch(self, unit: Unit, members: list[Child]) -> None:
+        """A running unit: is it serving (again), or did a member die so that it restarts?"""
+        codes = [c.proc.poll() for c in members]
+        if all(code is None for code in codes):
+            if unit.state == "starting" and all(_healthy(c) for c in members):
+                unit.state = "serving"
+                self._say(f"{unit.name} is serving again")
+            return
+        if not any(code is not None and self.spec.restart.wants(code) for code in codes):
+            if all(code is not None for code in codes):  # stopped cleanly, or never restart
+                unit.state = "down"
+            return
+        for c in members:  # a DEP group cannot take a rank back: it starts over
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        unit.state, unit.deadline = "stopping", time.monotonic() + STOP_GRACE_S
+
+    def _reap(self, unit: Unit, members: list[Child]) -> None:
+        """A unit to restart: once every member has exited, wait out its back-off (or give up)."""
+        now = time.monotonic()
+        if any(c.proc.poll() is None for c in members):
+            if now > unit.deadline:
+                for c in members:
+                    if c.proc.poll() is None:
+                        c.proc.kill()
+            return
+        delay = unit.backoff.after_exit(now - unit.started)
+        if delay is None:
+            self._say(f"{unit.name} failed {unit.backoff.quick_failures} times in a row soon "
+                      "after starting; not restarting it")  # fmt: skip
+            unit.state = "down"
+            return
+        self._say(f"restarting {unit.name} in {delay:.0f} s")
+        unit.state, unit.deadline = "waiting", now + delay
+
+    def _restart(self, unit: Unit, members: list[Child]) -> None:
+        """Start ``members`` again on their ports; a DEP group on a new master."""
+        master = f"{self.spec.host}:{free_port(self.spec.host)}"
+        for c in members:
+            if "--dep-master" in c.cmd:
+                c.cmd = _with_flag(c.cmd, "--dep-master", master)
+            c.proc = _popen(c.cmd)
+        unit.state, unit.started = "starting", time.monotonic()
+        pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in members)
+        self._say(f"restarted {unit.name} ({pids})")
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(f"ferry up: {message}", file=sys.stderr, flush=True)
 
     def _fatal(self) -> str:
         if self.redis is not None and self.redis.poll() is not None:
@@ -187,23 +282,28 @@ class Launcher:
                 return f"no {role} is left"
         return ""
 
+    def _down(self, child: Child) -> bool:
+        """Dead, and not to be started again. (Its unit's state, as the last look at it found
+        it: a death since then is ``_tend``'s to judge on the next look.)"""
+        return self.units[child.unit].state == "down"
+
     def _gone(self, role: str) -> bool:
-        """Children of ``role`` were started and every one has exited."""
-        procs = [c.proc for c in self.children if c.role == role]
-        return bool(procs) and all(p.poll() is not None for p in procs)
+        """Children of ``role`` were started and every one is down for good."""
+        children = [c for c in self.children if c.role == role]
+        return bool(children) and all(self._down(c) for c in children)
 
     def _can_serve(self) -> bool:
-        """An aggregated worker, or a prefill and a decode worker, is still running."""
+        """An aggregated worker, or a prefill and a decode worker, is running or restarting."""
 
         def alive(role: str) -> bool:
-            return any(c.proc.poll() is None for c in self.children if c.role == role)
+            return any(not self._down(c) for c in self.children if c.role == role)
 
         return alive("aggregated") or (alive("prefill") and alive("decode"))
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the scheduler, then the workers, then redis; SIGKILL what does not exit."""
         for group in (["gateway"], ["scheduler", "eplb"], WORKER_ROLES):
             procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
@@ -226,17 +326,35 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             p.wait()
 
 
-def _http_ok(url: str) -> bool:
+def _popen(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+
+
+def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
+    """``cmd`` with the value after ``flag`` replaced."""
+    i = cmd.index(flag)
+    return [*cmd[: i + 1], value, *cmd[i + 2 :]]
+
+
+def _healthy(child: Child) -> bool:
+    """One quick look: the child answers its health check (the gateway: GET /health)."""
+    if child.role == "gateway":
+        return _http_ok(f"http://{child.address}/health", timeout=0.5)
+    with grpc.insecure_channel(child.address) as channel:
+        return _serving(health_pb2_grpc.HealthStub(channel), timeout=0.5)
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
             return bool(reply.status == 200)
     except (OSError, ValueError):
         return False
 
 
-def _serving(stub: health_pb2_grpc.HealthStub) -> bool:
+def _serving(stub: health_pb2_grpc.HealthStub, timeout: float = 1.0) -> bool:
     try:
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
     except grpc.RpcError:
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -30,7 +32,8 @@ class Cluster:
     cluster: str
     gateway: str = ""  # http://host:port of the OpenAI API
     grpc: str = ""  # host:port of the public gRPC API
-    pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid, read once at start
+    pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid (see restarted)
+    log: Path | None = None  # stderr of `ferry up` and its children
 
     def read(self, query: Callable[[ClusterState], Awaitable[T]]) -> T:
         """``query`` on a ClusterState of this cluster's Redis (a fresh connection)."""
@@ -49,6 +52,25 @@ class Cluster:
 
     def signal(self, worker_id: str, sig: signal.Signals) -> None:
         os.kill(self.pids[worker_id], sig)
+
+    def said(self, message: str) -> bool:
+        """`ferry up` printed a line that starts ``ferry up: {message}`` (its own lines, not its
+        children's)."""
+        assert self.log is not None
+        lines = self.log.read_text(errors="replace").splitlines()
+        return any(line.startswith(f"ferry up: {message}") for line in lines)
+
+    def restarted(self, worker_id: str, timeout: float) -> int:
+        """Wait until a process other than the one in ``pids`` registers as ``worker_id``;
+        returns its pid (and keeps it in ``pids``)."""
+        old = self.pids[worker_id]
+
+        def pid() -> int:
+            return next((v.record.pid for v in self.views() if v.record.worker_id == worker_id), 0)
+
+        self.wait_for(f"{worker_id} restarted", lambda: pid() not in (0, old), timeout)
+        self.pids[worker_id] = pid()
+        return self.pids[worker_id]
 
     @contextmanager
     def stopped(self, *worker_ids: str) -> Iterator[None]:
@@ -88,7 +110,12 @@ def ferry_up(
     cmd = [sys.executable, "-m", "infra.cli", "up", "--redis-url", redis_url,
            "--scheduler-port", str(port), "--port", str(http), "--grpc-port", str(public),
            "--cluster", cluster, *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # an O_APPEND file, read by path: the children share its offset, so the test must not move it
+    fd, name = tempfile.mkstemp(prefix="ferry-up-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    with log.open("ab") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
@@ -106,6 +133,7 @@ def ferry_up(
             cluster,
             f"http://127.0.0.1:{http}",
             f"127.0.0.1:{public}",
+            log=log,
         )
         c.pids = {v.record.worker_id: v.record.pid for v in c.views()}
         yield c
@@ -117,6 +145,8 @@ def ferry_up(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        sys.stderr.write(log.read_text(errors="replace"))  # pytest shows it on a failure
+        log.unlink()
 
 
 def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:

@@ -1,7 +1,7 @@
 """Aggregated workers end to end: `ferry up --aggregated N`, real processes, gRPC.
 
 Cluster A is one aggregated worker and nothing else: outputs against the in-process engine,
-cancellation. Cluster B is mixed (1 aggregated, 1 prefill, 1 decode): requests go to the
+cancellation, and last a scheduler that crash-loops (`ferry up` gives up on it). Cluster B is mixed (1 aggregated, 1 prefill, 1 decode): requests go to the
 aggregated worker while it is up and to the prefill/decode pair once it is gone.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,8 +132,9 @@ def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
 ) -> None:
     ps = prompts(6)
     ref = expected(checkpoint, ps, 8)
+    # --restart never: aggregated-0 stays down, so every request after the kill takes P/D
     with up(redis, checkpoint, "--aggregated", "1", "--prefill", "1", "--decode", "1",
-            cluster="mixed") as c:  # fmt: skip
+            "--restart", "never", cluster="mixed") as c:  # fmt: skip
         before = run_all(c.scheduler, ps, 8)
         assert paths(c) == {"aggregated": 6.0}
         c.signal("aggregated-0", signal.SIGKILL)  # its calls fail UNAVAILABLE: P/D takes them
@@ -141,3 +143,27 @@ def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
         for res in (*before, *after):
             assert res.code is None, res.details
         assert [r.token_ids for r in before] == ref == [r.token_ids for r in after]
+
+
+def test_a_crash_looping_scheduler_is_given_up_and_the_cluster_stops(aggregated: Cluster) -> None:
+    """Ends cluster A, so it runs last on it. The scheduler is killed and its port taken by
+    another socket, so every restart fails at once: `ferry up` backs off (1, 2, 4, 8 s), gives
+    up after the fifth quick failure and, with no scheduler left, stops the cluster and exits 1."""
+    host, port = aggregated.scheduler.rsplit(":", 1)
+    aggregated.signal("scheduler-0", signal.SIGKILL)
+    with socket.socket() as squatter:  # no SO_REUSEPORT: gRPC cannot bind beside it
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        aggregated.wait_for("the port released", lambda: _bound(squatter, host, int(port)), 5)
+        squatter.listen()
+        assert aggregated.proc.wait(90) == 1
+    assert aggregated.said("scheduler-0 failed 5 times in a row soon after starting")
+    assert aggregated.said("no scheduler is left; stopping the cluster")
+    assert not aggregated.views(), "every service left the registry"
+
+
+def _bound(sock: socket.socket, host: str, port: int) -> bool:
+    try:
+        sock.bind((host, port))
+    except OSError:
+        return False
+    return True

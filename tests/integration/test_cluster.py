@@ -2,13 +2,15 @@
 
 Cluster A (1 prefill, 2 decode, UCX, kv_aware) serves, in file order: parity, metrics,
 streaming, cancellation, validation, Redis restart, a second scheduler replica, then the
-failure tests (kill -9 of decode-1, SIGTERM of decode-0, which ends it). Cluster B (2 prefill,
-1 decode, gRPC transport, round_robin) is for the prefill failure.
+failure tests: kill -9 of the scheduler and of decode-1 (both restarted by `ferry up`), SIGTERM
+of decode-0 (a clean exit: not restarted). Cluster B (2 prefill, 1 decode, gRPC transport,
+round_robin) is for the prefill failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -201,9 +203,30 @@ def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluste
     assert "scheduler-1" not in names()
 
 
-def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
-    cluster_a: Cluster,
-) -> None:
+def test_a_killed_scheduler_is_restarted_on_its_port(cluster_a: Cluster) -> None:
+    """kill -9 of the scheduler: `ferry up` starts it again on the same port, so the gateway
+    (and any client) keeps its address, and the OpenAI API serves again."""
+    cluster_a.signal("scheduler-0", signal.SIGKILL)
+    back = lambda: cluster_a.said("scheduler-0 is serving again")  # noqa: E731
+    cluster_a.wait_for("scheduler-0 restarted", back, 60)
+    assert cluster_a.said("scheduler-0 exited with code -9")
+    cluster_a.restarted("scheduler-0", 5)
+    with urllib.request.urlopen(f"{cluster_a.gateway}/v1/models", timeout=10) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    request = urllib.request.Request(f"{cluster_a.gateway}/v1/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        assert json.load(reply)["usage"]["completion_tokens"] == 4
+
+
+def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster) -> None:
+    """kill -9 of decode-1: requests sent at once are retried on decode-0, the dead process
+    leaves the registry (its record expires), and `ferry up` starts decode-1 again (--restart
+    on-failure, the default) on its port."""
+    dead = cluster_a.pids["decode-1"]
+    (address,) = [v.record.address for v in cluster_a.views() if v.record.worker_id == "decode-1"]
     cluster_a.signal("decode-1", signal.SIGKILL)
     killed = time.monotonic()
     # requests sent at once may be routed to the dead worker: they are retried on decode-0
@@ -211,8 +234,14 @@ def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
     )
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
-    gone = lambda: "decode-1" not in {v.record.worker_id for v in cluster_a.views()}  # noqa: E731
+    gone = lambda: dead not in {v.record.pid for v in cluster_a.views()}  # noqa: E731
     cluster_a.wait_for("decode-1 deregistered", gone, max(0.1, 3.5 - (time.monotonic() - killed)))
+    cluster_a.restarted("decode-1", 60)
+    assert cluster_a.said("decode-1 exited with code -9")
+    assert cluster_a.said("restarting decode-1 in 1 s")
+    assert [
+        v.record.address for v in cluster_a.views("decode") if v.record.worker_id == "decode-1"
+    ] == [address]
     results = run(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
     )
@@ -221,8 +250,8 @@ def test_killed_decode_worker_leaves_the_registry_and_requests_still_succeed(
 
 def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     """SIGTERM: the worker leaves the registry at once (nothing new is routed to it) and the
-    streams it is serving run to the end within the grace period. decode-0 is the last decode
-    worker, so this ends cluster A."""
+    streams it is serving run to the end within the grace period. Its exit is clean, so `ferry
+    up` does not restart it, and new requests go to decode-1 (restarted by the test above)."""
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> tuple[list[int], float]:
@@ -247,6 +276,13 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     counts, left_after = asyncio.run(asyncio.wait_for(main(), 60))
     assert left_after < 1.0  # deregistered at once, not by expiry
     assert counts == [64] * 4
+    cluster_a.wait_for("decode-0 exited", lambda: cluster_a.said("decode-0 exited with code 0"), 30)
+    results = run(
+        *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(4))
+    )
+    assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+    time.sleep(0.6)  # a restart would be announced on the launcher's next look (every 0.5 s)
+    assert not cluster_a.said("restarting decode-0")
 
 
 def test_killed_prefill_worker_retries_what_streamed_nothing(

@@ -1,7 +1,7 @@
 """A decode DEP group inside a real `ferry up` cluster: two rank processes joined by gloo,
 each a worker of its own in Redis, serve the in-process engine's greedy tokens; a rank killed
 mid-stream makes its peer fail its requests within the group timeout and leave the registry,
-and new requests go to the remaining decode worker."""
+new requests go to the remaining decode worker, and `ferry up` starts the group over."""
 
 from __future__ import annotations
 
@@ -79,12 +79,14 @@ def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> No
     assert len(windows[0]) == 3 and len(windows[0][0]) == 16  # MoE layers x logical experts
 
 
-def test_a_killed_rank_fails_its_group_and_traffic_moves_on(redis: RedisServer) -> None:
+def test_a_killed_rank_fails_its_group_and_the_group_restarts(redis: RedisServer) -> None:
     """A cluster with the group and one independent decode worker: after decode-r1 is killed,
     decode-r0's requests fail within the group timeout, the group leaves the registry, and new
-    requests go to decode-0."""
+    requests go to decode-0. `ferry up` then starts both ranks over as a new group (a new
+    master), which serves once decode-0 is gone."""
     with ferry_up(redis.url, "--decode", "1", "--decode-dep", "2", "--num-kv-blocks", "256",
                   "--worker-args", WORKER_ARGS, cluster="dep-kill") as c:  # fmt: skip
+        (group,) = {v.record.dep_group for v in c.views("decode") if v.record.dep_group}
 
         async def main() -> tuple[list[Result], float]:
             tasks = [asyncio.create_task(generate(c.scheduler, p, greedy(400, ignore_eos=True),
@@ -102,10 +104,25 @@ def test_a_killed_rank_fails_its_group_and_traffic_moves_on(redis: RedisServer) 
         assert all(r.code == grpc.StatusCode.UNAVAILABLE for r in failed), seen
         assert any(r.code is None for r in results), f"decode-0's own requests finish: {seen}"
         assert took < 30, f"the group's requests took {took:.1f} s to fail: {seen}"
-        gone = lambda: not {"decode-r0", "decode-r1"} & {v.record.worker_id for v in c.views()}  # noqa: E731
+        dead = {c.pids["decode-r0"], c.pids["decode-r1"]}
+        gone = lambda: not dead & {v.record.pid for v in c.views()}  # noqa: E731
         c.wait_for("the group left the registry", gone, 15)
         after = run(*(generate(c.scheduler, p, greedy(5, ignore_eos=True)) for p in prompts(4)))
         assert all(r.code is None and len(r.token_ids) == 5 for r in after), after
+
+        for rank in ("decode-r0", "decode-r1"):
+            c.restarted(rank, 90)
+        serving = lambda: c.said("decode-dep is serving again")  # noqa: E731
+        c.wait_for("the group serving", serving, 30)
+        ranks = [v.record for v in c.views("decode") if v.record.dep_group]
+        assert len(ranks) == 2 and len({r.dep_group for r in ranks}) == 1
+        assert group not in {r.dep_group for r in ranks}, "a new master names a new group"
+        c.signal("decode-0", signal.SIGTERM)  # a clean exit: it stays down
+        c.wait_for(
+            "decode-0 left", lambda: "decode-0" not in {v.record.worker_id for v in c.views()}, 5
+        )
+        again = run(*(generate(c.scheduler, p, greedy(5, ignore_eos=True)) for p in prompts(4)))
+        assert all(r.code is None and len(r.token_ids) == 5 for r in again), again
 
 
 def test_a_prefill_dep_group_serves_the_in_process_greedy_tokens(redis: RedisServer) -> None:
