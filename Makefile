@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge clean redis
 
 setup: $(STAMP) redis
 
@@ -50,10 +50,14 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve
+bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge
 
 bench-kv: setup
 	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
+
+# UCX importers wedged by exporters killed mid-pull, and whether the workers' probe sees it (~3 min)
+bench-ucx-wedge: setup
+	$(PY) loadtest/ucx_wedge.py $(BENCH_ARGS)
 
 # 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
 bench-services: setup

@@ -68,6 +68,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--lease-seconds", w.lease_seconds, "how long exported KV waits for its pull")
     add(p, "--transfer-timeout", w.transfer_timeout_s, "seconds a KV pull may take")
     add_switch(p, "--verify-checksum", "CRC32-check every KV transfer")
+    add(p, "--kv-probe-interval", w.kv_probe_interval_s,
+        "seconds between checks that the KV transport can still connect (0: none)")  # fmt: skip
     add(p, "--torch-threads", w.torch_threads, "torch intra-op threads (0: torch's default)")
     add(p, "--dep-size", w.dep_size, "ranks in this worker's DEP group (1: none)")
     add(p, "--dep-rank", w.dep_rank, "this worker's rank in its DEP group")
@@ -148,6 +150,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         service=service_config(args), engine=engine, kv_transport=args.kv_transport,
         kv_port=args.kv_port, lease_seconds=args.lease_seconds,
         transfer_timeout_s=args.transfer_timeout, verify_checksum=args.verify_checksum,
+        kv_probe_interval_s=args.kv_probe_interval,
         torch_threads=args.torch_threads, dep_size=args.dep_size, dep_rank=args.dep_rank,
         dep_master=args.dep_master, dep_group=args.dep_group,
         num_redundant_experts=args.num_redundant_experts, dep_timeout_s=args.dep_timeout,

@@ -60,6 +60,11 @@ class Cluster:
         lines = self.log.read_text(errors="replace").splitlines()
         return any(line.startswith(f"ferry up: {message}") for line in lines)
 
+    def logged(self, text: str) -> bool:
+        """``text`` is in the output of `ferry up` or of one of its children (their logs)."""
+        assert self.log is not None
+        return text in self.log.read_text(errors="replace")
+
     def restarted(self, worker_id: str, timeout: float) -> int:
         """Wait until a process other than the one in ``pids`` registers as ``worker_id``;
         returns its pid (and keeps it in ``pids``)."""

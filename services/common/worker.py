@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,11 +32,14 @@ from services.engine import AsyncEngine, Engine, EngineConfig
 from services.engine.expert_parallel import EPGroup
 from services.engine.experts import ExpertPlacement
 from services.engine.model import model_config
-from services.kv_transfer import LayoutFingerprint, TransferError
-from services.kv_transfer.ucx import stop_service_threads, use_service_defaults
+from services.kv_transfer import KvTransport, LayoutFingerprint, TransferError
+from services.kv_transfer.ucx import WEDGED_HINT, stop_service_threads, use_service_defaults
 
 log = get_logger(__name__)
 KV_EVENTS_PERIOD_S = 0.1
+PROBE_TIMEOUT_S = 5.0  # a healthy UCX self-connection takes a few ms
+PROBE_FAILURES = 2  # in a row: one slow probe on a loaded machine is not a wedge
+LEAVE_MARGIN_S = 10.0  # a worker that leaves exits at most this long after its grace
 KV_EVENT_ROLES = ("prefill", "aggregated")  # the workers requests start on
 
 
@@ -48,6 +52,7 @@ class WorkerConfig:
     lease_seconds: float = 30.0  # how long exported KV waits for its pull
     transfer_timeout_s: float = 30.0
     verify_checksum: bool = False  # CRC32 every transfer (tests)
+    kv_probe_interval_s: float = 5.0  # how often the KV transports check they can connect
     torch_threads: int = 0  # 0: torch's default
     dep_size: int = 1  # ranks in this worker's DEP group (1: not a group)
     dep_rank: int = 0
@@ -61,6 +66,8 @@ class WorkerConfig:
             raise ValueError("lease_seconds and transfer_timeout_s must be positive")
         if self.torch_threads < 0:
             raise ValueError("torch_threads must be >= 0")
+        if self.kv_probe_interval_s < 0:
+            raise ValueError("kv_probe_interval_s must be >= 0 (0: no probes)")
         if self.dep_size < 1 or not 0 <= self.dep_rank < self.dep_size:
             raise ValueError(f"dep_rank {self.dep_rank} outside 0..{self.dep_size - 1}")
         if self.dep_size > 1 and not self.dep_master:
@@ -127,7 +134,7 @@ class EngineWorker(Service):
             dep_group=self.dep_group, dep_rank=self.config.dep_rank if self.dep_group else -1,
         )  # fmt: skip
         await self.cluster.register(record, self.load_report)
-        self._watch = asyncio.create_task(self._watch_engine())
+        self._watch = asyncio.create_task(self._watch_health())
         self._publish = asyncio.create_task(self._publish_expert_load())
         if self.role in KV_EVENT_ROLES:
             eng.kv.record_events()
@@ -168,14 +175,39 @@ class EngineWorker(Service):
                     start_over = True
             await asyncio.sleep(KV_EVENTS_PERIOD_S)
 
-    async def _watch_engine(self) -> None:
-        """A dead engine (a DEP peer that stopped answering fails every collective) cannot
-        serve again: leave the registry at once and stop, with a non-zero exit code."""
+    def transports(self) -> list[KvTransport]:
+        """The KV transports this worker has opened (the prefill and decode workers say)."""
+        return []
+
+    async def _watch_health(self) -> None:
+        """A worker that cannot serve again leaves the registry at once and stops, with a
+        non-zero exit code, for its supervisor (`ferry up`) to start it afresh: its engine died
+        (a DEP peer that stopped answering fails every collective), or a KV transport can no
+        longer open connections (UCX wedged by a peer's death, see ucx.UCX_DEFAULTS), which
+        would otherwise fail every pull while the worker looks healthy."""
+        interval = self.config.kv_probe_interval_s
+        next_probe, failures = time.monotonic() + interval, 0
         while self.engine.error is None:
+            if interval and time.monotonic() >= next_probe:
+                problems = [p for t in self.transports() if (p := await t.probe(PROBE_TIMEOUT_S))]
+                failures = failures + 1 if problems else 0
+                if failures >= PROBE_FAILURES:
+                    log.error("kv_transport_cannot_connect", problems=problems, hint=WEDGED_HINT)
+                    return await self._leave()
+                next_probe = time.monotonic() + interval
             await asyncio.sleep(0.2)
         log.error("engine failed; leaving the cluster", error=repr(self.engine.error))
-        await self.cluster.deregister()
+        await self._leave()
+
+    async def _leave(self) -> None:
+        with contextlib.suppress(ClusterStateError):  # Redis away: the record expires instead
+            await self.cluster.deregister()
         self.exit_code = 1
+        # The graceful stop closes the broken part too (a wedged UCX worker, a failed process
+        # group), which may not return: exit regardless once in-flight RPCs had their grace.
+        deadline = threading.Timer(self.config.service.grace_s + LEAVE_MARGIN_S, os._exit, (1,))
+        deadline.daemon = True
+        deadline.start()
         os.kill(os.getpid(), signal.SIGTERM)  # the server's graceful stop
 
     def load_report(self) -> LoadReport:

@@ -26,7 +26,7 @@ from services.decode_worker import metrics
 from services.engine.async_engine import EngineDeadError
 from services.engine.request import ImportedKv
 from services.engine.sampling_params import SamplingParams
-from services.kv_transfer import KvHandle, KvImporter, TransferError, create_transport
+from services.kv_transfer import KvHandle, KvImporter, KvTransport, TransferError, create_transport
 
 log = get_logger(__name__)
 
@@ -54,6 +54,9 @@ class DecodeWorker(EngineWorker):
                 self.config.transfer_timeout_s, self.config.verify_checksum,
             )  # fmt: skip
         return self._importers[transport]
+
+    def transports(self) -> list[KvTransport]:
+        return [imp.transport for imp in self._importers.values()]
 
     async def close(self) -> None:
         for imp in self._importers.values():

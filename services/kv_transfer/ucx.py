@@ -63,7 +63,10 @@ log = get_logger(__name__)
 #   exporter instead). Such a worker counts
 #   ferry_kv_transfer_failures_total{reason="connect_timeout"} on every pull (a dead peer's
 #   closed port usually fails at once, as reason "connect") and needs a restart; set
-#   UCX_MM_ERROR_HANDLING=n where surviving a peer's death matters more than bandwidth;
+#   UCX_MM_ERROR_HANDLING=n where surviving a peer's death matters more than bandwidth.
+#   loadtest/ucx_wedge.py measures it again (wedged after 1-11 kills in 10 of 10 new-loop
+#   trials; after 9 and 6 kills in 2 of 2 services-mode trials) and shows UcxTransport.probe,
+#   which workers run every --kv-probe-interval, failing on every wedge and on no healthy run;
 # - UCX's own rendezvous choice (auto; get_zcopy over cma on one host: the importer reads the
 #   exporter's blocks straight into its own, one copy): 2.4x put_zcopy on the deepseek-v3
 #   layout (10.3 vs 4.3 GB/s at 32k tokens), which was only faster while everything went
@@ -84,7 +87,8 @@ UCX_SERVICE_DEFAULTS = {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FU
 CLOSE_WAIT_S = 2.0  # how long close() waits for the listener's handlers to end
 WEDGED_HINT = (
     "if connects to every peer time out, a peer killed mid-transfer may have wedged this "
-    "process's UCX shared memory: restart it (UCX_MM_ERROR_HANDLING=n avoids this)"
+    "process's UCX shared memory: restart it (UCX_MM_ERROR_HANDLING=n avoids this; workers "
+    "notice it themselves with --kv-probe-interval)"
 )
 
 
@@ -230,6 +234,32 @@ class UcxTransport(KvTransport):
             exporter.unstage(
                 staged
             )  # only after every send completed: a failed one may still read it
+
+    async def probe(self, timeout: float) -> str | None:
+        """Connect to a listener of this process's own: a UCX worker wedged by a peer's death
+        (see UCX_DEFAULTS) cannot complete even that handshake, while a healthy one does in a
+        few ms. It tells "this process cannot connect" from "that peer does not answer"."""
+        ucxx = _ucxx()
+        reached = asyncio.Event()
+
+        async def handler(ep: Any) -> None:
+            reached.set()
+
+        listener, ep = None, None
+        try:
+            listener = ucxx.create_listener(handler)
+            ep = await asyncio.wait_for(ucxx.create_endpoint("127.0.0.1", listener.port), timeout)
+            await asyncio.wait_for(reached.wait(), timeout)
+            return None
+        except TimeoutError:
+            return f"no UCX handshake with a listener of this process within {timeout:.1f}s"
+        except Exception as e:
+            return f"cannot open a UCX connection to this process: {e!r}"
+        finally:
+            if ep is not None:
+                ep.abort()
+            if listener is not None:
+                listener.close()
 
     # ---- importer -------------------------------------------------------------------------
     async def _connect(self, handle: KvHandle) -> Any:

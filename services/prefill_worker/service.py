@@ -21,7 +21,7 @@ from services.common.server import abort_with
 from services.common.worker import EngineWorker, WorkerConfig
 from services.engine.async_engine import EngineDeadError
 from services.engine.request import RequestOutput
-from services.kv_transfer import KvExporter, create_transport
+from services.kv_transfer import KvExporter, KvTransport, create_transport
 from services.prefill_worker import metrics
 
 log = get_logger(__name__)
@@ -51,6 +51,9 @@ class PrefillWorker(EngineWorker):
         self.kv_address = f"{svc.public_host}:{self.kv_port}"
         self._reaper = asyncio.create_task(self.exporter.run_reaper())
         await super().start(address, metrics_port)
+
+    def transports(self) -> list[KvTransport]:
+        return [self.transport]
 
     async def close(self) -> None:
         if self._reaper is not None:

@@ -10,7 +10,9 @@ round_robin) is for the prefill failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -29,7 +31,9 @@ from tests.helpers import make_hf_checkpoint
 from tests.redis_server import RedisServer, redis_server
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 256
-WORKER_ARGS = f"--block-size {BLOCK_SIZE} --verify-checksum --transfer-timeout 5"
+WORKER_ARGS = (
+    f"--block-size {BLOCK_SIZE} --verify-checksum --transfer-timeout 5 --kv-probe-interval 1"
+)
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +248,28 @@ def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster)
     ] == [address]
     results = run(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(8))
+    )
+    assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
+
+
+def test_a_worker_whose_ucx_cannot_connect_leaves_and_is_restarted(cluster_a: Cluster) -> None:
+    """prefill-0 is left no file descriptor (its RLIMIT_NOFILE lowered from outside), so its
+    UCX cannot open a connection, as after a peer wedged it (see ucx.UCX_DEFAULTS): its probe
+    (--kv-probe-interval, 1 s here) fails twice in a row, it leaves the cluster with exit code 1
+    and `ferry up` starts it afresh, which serves."""
+    pid = cluster_a.pids["prefill-0"]
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, limits[1]))  # stdin, stdout, stderr
+    try:
+        wedged = lambda: cluster_a.logged('"event": "kv_transport_cannot_connect"')  # noqa: E731
+        cluster_a.wait_for("prefill-0 noticed", wedged, 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+    cluster_a.restarted("prefill-0", 60)
+    assert cluster_a.said("prefill-0 exited with code 1")
+    results = run(
+        *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(4))
     )
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
 

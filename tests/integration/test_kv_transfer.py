@@ -367,3 +367,36 @@ def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
         reason, seconds = asyncio.run(pull(silent.getsockname()[1]))
     assert reason == "connect_timeout" and 2.9 < seconds < 8.0
     assert failures() == before + 1
+
+
+# A process whose UCX cannot open connections (no file descriptor left) probes itself.
+PROBE_WITHOUT_FDS = """
+import asyncio, json, os, resource
+from services.kv_transfer.ucx import UcxTransport, stop_service_threads, use_service_defaults
+use_service_defaults()
+async def main():
+    t = UcxTransport()
+    healthy = await t.probe(2.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+    starved = await t.probe(2.0)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print("RESULT", json.dumps({"healthy": healthy, "starved": starved}), flush=True)
+asyncio.run(main())
+stop_service_threads()
+os._exit(0)  # ucxx's half-made endpoints can hang a normal interpreter exit
+"""
+
+
+def test_the_ucx_probe_tells_a_process_that_can_no_longer_connect() -> None:
+    """`UcxTransport.probe` (what workers run every --kv-probe-interval) connects to a listener
+    of its own process: None while that works, a reason while it cannot. (The condition it is
+    for, UCX wedged by a peer killed mid-transfer, cannot be made on demand: see
+    loadtest/ucx_wedge.py for it, measured.)"""
+    child = subprocess.run([sys.executable, "-c", PROBE_WITHOUT_FDS],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, child.stdout + child.stderr
+    report = json.loads(lines[0].removeprefix("RESULT "))
+    assert report["healthy"] is None
+    assert report["starved"] == "no UCX handshake with a listener of this process within 2.0s"
