@@ -8,12 +8,17 @@ import asyncio
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from infra import flags
 from infra.restarts import RESTART_MODES
 from services.engine.model.presets import PRESETS
 
+if TYPE_CHECKING:
+    from infra.launcher import ClusterSpec
+
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
+WORKER_ROLES = ("prefill", "decode", "aggregated")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
@@ -61,7 +66,20 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from infra.launcher import ClusterSpec, run
+    from infra.launcher import run
+
+    try:
+        spec = cluster_spec(args)
+    except ValueError as e:
+        print(f"ferry up: {e}", file=sys.stderr)
+        return 2
+    return run(spec)
+
+
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    """What `ferry up` starts, from its flags. ValueError when a role's extra flags are not
+    flags of `ferry serve ROLE` (found now, not when every worker fails to start)."""
+    from infra.launcher import ClusterSpec
     from infra.restarts import RestartPolicy
 
     worker = ["--model", args.model, "--kv-transport", args.kv_transport,
@@ -72,19 +90,29 @@ def _up(args: argparse.Namespace) -> int:
         worker += ["--num-redundant-experts", str(args.num_redundant_experts)]
     if args.router_skew:
         worker += ["--router-skew", str(args.router_skew)]
-    gateway = ["--model", args.model, "--api-key", args.api_key]
-    spec = ClusterSpec(
+    serve_args = {
+        "gateway": ["--model", args.model, "--api-key", args.api_key],
+        "scheduler": ["--routing-policy", args.routing_policy],
+        "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)],
+    }
+    for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
+        serve_args[role] = [*worker, *shlex.split(getattr(args, f"{role}_args"))]
+        _check_serve_flags(role, serve_args[role], f"--worker-args / --{role}-args")
+    return ClusterSpec(
         prefill=_pd_count(args.prefill, args.aggregated),
         decode=_pd_count(args.decode, args.aggregated), aggregated=args.aggregated,
         prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, host=args.host,
         scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
-        redis_url=args.redis_url,
-        cluster=args.cluster, restart=RestartPolicy(args.restart),
-        serve_args={"prefill": worker, "decode": worker, "aggregated": worker, "gateway": gateway,
-                    "scheduler": ["--routing-policy", args.routing_policy],
-                    "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)]},
+        redis_url=args.redis_url, cluster=args.cluster, restart=RestartPolicy(args.restart),
+        serve_args=serve_args,
     )  # fmt: skip
-    return run(spec)
+
+
+def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
+    try:
+        build_parser().parse_args(["serve", role, *extra])
+    except SystemExit:  # argparse has printed what is wrong
+        raise ValueError(f"{source}: not flags of `ferry serve {role}` (see above)") from None
 
 
 def _pd_count(given: int | None, aggregated: int) -> int:
@@ -144,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")
     flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
+    for role in WORKER_ROLES:
+        flags.add(up, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")
     flags.add(
         up,
         "--restart",

@@ -89,3 +89,24 @@ def test_status_lists_registered_workers() -> None:
     assert line.split() == ["decode-7", "decode", "127.0.0.1:9", "ok", "2", "0", "0", "24", "64",
                             "8"]  # fmt: skip
     assert "no workers registered in cluster 'other'" in empty.stdout
+
+
+def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
+    from infra.cli import build_parser, cluster_spec
+
+    args = build_parser().parse_args(["up", "--worker-args", "--block-size 16 --max-num-seqs 8",
+                                      "--decode-args", "--max-num-seqs 64"])  # fmt: skip
+    serve = cluster_spec(args).serve_args
+    assert serve["decode"][-4:] == ["--max-num-seqs", "8", "--max-num-seqs", "64"]  # the last wins
+    assert serve["prefill"][-2:] == serve["aggregated"][-2:] == ["--max-num-seqs", "8"]
+    decode = build_parser().parse_args(["serve", "decode", *serve["decode"]])
+    assert (decode.max_num_seqs, decode.block_size) == (64, 16)
+
+
+def test_ferry_up_refuses_flags_a_worker_would_not_take_before_starting_anything() -> None:
+    run = _ferry("up", "--decode-args", "--max-seqs 4", "--redis-url", "redis://127.0.0.1:1/0")
+    assert run.returncode == 2, run.stderr
+    assert (
+        "ferry up: --worker-args / --decode-args: not flags of `ferry serve decode`" in run.stderr
+    )
+    assert "unrecognized arguments: --max-seqs 4" in run.stderr
