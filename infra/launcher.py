@@ -7,7 +7,8 @@ health check; prints the endpoints; and on Ctrl-C / SIGTERM stops them all (sche
 redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
 
 A child that dies is reported and the others go on serving; by the restart policy
-(``infra/restarts.py``, ``--restart``) it is started again on the same ports after a back-off. A
+(``infra/restarts.py``, ``--restart``) it is started again on the same ports after a back-off
+(the private redis-server too: it comes back empty and the services re-register). A
 DEP group restarts as one unit: a rank's death fails its peers, so the survivors are stopped and
 every rank starts over on a new master (which also names a new group in Redis). The exit code is
 non-zero when any child died on its own.
@@ -29,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra.children import die_with_parent
 from infra.ports import free_port
-from infra.redis_server import start_redis
+from infra.redis_server import redis_answers, redis_command, start_redis
 from infra.restarts import Backoff, RestartPolicy
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -82,15 +83,15 @@ class Launcher:
         self.spec = spec
         self.children: list[Child] = []
         self.units: dict[str, Unit] = {}
-        self.redis: subprocess.Popen[bytes] | None = None
         self.redis_url = spec.redis_url
         self._stop = threading.Event()
 
     def start(self) -> None:
         s = self.spec
-        if not self.redis_url:
+        if not self.redis_url:  # a private one, supervised like the services
             port = free_port(s.host)
-            self.redis = start_redis(port, s.host)
+            self._add(Child("redis", "redis", f"{s.host}:{port}", 0, start_redis(port, s.host),
+                            redis_command(port, s.host), "redis"))  # fmt: skip
             self.redis_url = f"redis://{s.host}:{port}/0"
         for role, count, dep in (("prefill", s.prefill, s.prefill_dep),
                                  ("decode", s.decode, s.decode_dep),
@@ -148,7 +149,7 @@ class Launcher:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
-        for child in self.children:
+        for child in (c for c in self.children if c.role != "redis"):  # redis answered already
             with grpc.insecure_channel(child.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while not _serving(stub):
@@ -180,8 +181,9 @@ class Launcher:
                     child.metrics_port = bound.get(child.name) or child.metrics_port
 
     def describe(self) -> str:
-        lines = [f"  redis      {self.redis_url}" + ("  (private)" if self.redis else "")]
-        for c in self.children:
+        private = any(c.role == "redis" for c in self.children)
+        lines = [f"  redis      {self.redis_url}" + ("  (private)" if private else "")]
+        for c in (c for c in self.children if c.role != "redis"):
             if c.role == "gateway":
                 lines.append(f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
                              f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
@@ -265,7 +267,7 @@ class Launcher:
         for c in members:
             if "--dep-master" in c.cmd:
                 c.cmd = _with_flag(c.cmd, "--dep-master", master)
-            c.proc = _popen(c.cmd)
+            c.proc = _popen(c.cmd, quiet=c.role == "redis")
         unit.state, unit.started = "starting", time.monotonic()
         pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in members)
         self._say(f"restarted {unit.name} ({pids})")
@@ -275,8 +277,8 @@ class Launcher:
         print(f"ferry up: {message}", file=sys.stderr, flush=True)
 
     def _fatal(self) -> str:
-        if self.redis is not None and self.redis.poll() is not None:
-            return "redis-server exited"
+        if self._gone("redis"):
+            return "redis-server is gone"
         for role in ("gateway", "scheduler", *WORKER_ROLES):
             if self._gone(role) and (role in ("gateway", "scheduler") or not self._can_serve()):
                 return f"no {role} is left"
@@ -304,12 +306,11 @@ class Launcher:
         self._stop.set()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the scheduler, then the workers, then redis; SIGKILL what does not exit."""
-        for group in (["gateway"], ["scheduler", "eplb"], WORKER_ROLES):
+        """SIGTERM the gateway, the scheduler, the workers, then redis; SIGKILL what does not
+        exit."""
+        for group in (["gateway"], ["scheduler", "eplb"], WORKER_ROLES, ["redis"]):
             procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
             _terminate(procs, grace_s)
-        if self.redis is not None:
-            _terminate([self.redis], grace_s)
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
@@ -326,8 +327,10 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             p.wait()
 
 
-def _popen(cmd: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+def _popen(cmd: list[str], quiet: bool = False) -> subprocess.Popen[bytes]:
+    """A child that dies with us; ``quiet``: without stdout (our own stdout is the endpoints)."""
+    stdout = subprocess.DEVNULL if quiet else None
+    return subprocess.Popen(cmd, stdout=stdout, preexec_fn=die_with_parent)
 
 
 def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
@@ -337,7 +340,11 @@ def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
 
 
 def _healthy(child: Child) -> bool:
-    """One quick look: the child answers its health check (the gateway: GET /health)."""
+    """One quick look: the child answers its health check (the gateway: GET /health; redis:
+    PING)."""
+    if child.role == "redis":
+        host, port = child.address.rsplit(":", 1)
+        return redis_answers(host, int(port))
     if child.role == "gateway":
         return _http_ok(f"http://{child.address}/health", timeout=0.5)
     with grpc.insecure_channel(child.address) as channel:

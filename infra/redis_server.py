@@ -12,17 +12,33 @@ import redis
 from infra.children import die_with_parent
 
 
-def start_redis(
-    port: int, host: str = "127.0.0.1", timeout: float = 10.0
-) -> subprocess.Popen[bytes]:
-    """Start ``redis-server`` (no persistence) and wait until it answers PING."""
+def redis_command(port: int, host: str = "127.0.0.1") -> list[str]:
+    """``redis-server`` on ``host:port`` with no persistence."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError(
             "redis-server is not installed: run `make setup` (apt-get install redis-server)"
         )
-    cmd = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-           "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+    return [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+            "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+
+
+def redis_answers(host: str, port: int, timeout: float = 0.5) -> bool:
+    client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout,
+                         socket_timeout=timeout)  # fmt: skip
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def start_redis(
+    port: int, host: str = "127.0.0.1", timeout: float = 10.0
+) -> subprocess.Popen[bytes]:
+    """Start ``redis-server`` (no persistence) and wait until it answers PING."""
+    cmd = redis_command(port, host)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
     client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5)
     deadline = time.monotonic() + timeout

@@ -111,6 +111,7 @@ class Cluster:
 def ferry_up(
     redis_url: str, *args: str, cluster: str = "test", timeout: float = 180.0
 ) -> Iterator[Cluster]:
+    """`ferry up` against ``redis_url`` ("": its own private redis-server)."""
     port, http, public = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "infra.cli", "up", "--redis-url", redis_url,
            "--scheduler-port", str(port), "--port", str(http), "--grpc-port", str(public),
@@ -131,6 +132,8 @@ def ferry_up(
             if "ferry up: ready" in line:
                 break
             assert time.monotonic() < deadline, "ferry up was not ready in time"
+        if not redis_url:  # the endpoints follow: "  redis      redis://HOST:PORT/0  (private)"
+            redis_url = proc.stdout.readline().split()[1]
         c = Cluster(
             proc,
             redis_url,

@@ -8,6 +8,7 @@ aggregated worker while it is up and to the prefill/decode pair once it is gone.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import urllib.request
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from redis import Redis
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from services.engine import Engine, EngineConfig, SamplingParams
@@ -167,3 +169,21 @@ def _bound(sock: socket.socket, host: str, port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_killed_private_redis_is_restarted_and_the_services_re_register() -> None:
+    """Without --redis-url `ferry up` runs its own redis-server. Killed, it is started again on
+    its port, empty; every service writes its record again on its next heartbeat, and requests
+    are served."""
+    with ferry_up("", "--aggregated", "1", "--model", "tiny", "--worker-args", WORKER_ARGS,
+                  cluster="own-redis") as c:  # fmt: skip
+        client = Redis.from_url(c.redis_url)
+        pid = int(client.info("server")["process_id"])
+        client.close()
+        os.kill(pid, signal.SIGKILL)
+        c.wait_for("redis restarted", lambda: c.said("redis is serving again"), 30)
+        assert c.said("redis exited with code -9")
+        names = lambda: {v.record.worker_id for v in c.views()}  # noqa: E731
+        c.wait_for("re-registered", lambda: {"aggregated-0", "scheduler-0"} <= names(), 10)
+        results = run_all(c.scheduler, prompts(3), 4)
+        assert all(r.code is None and len(r.token_ids) == 4 for r in results), results
