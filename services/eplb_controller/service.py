@@ -14,8 +14,10 @@ restart would lose: the ranks know their placement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,6 +52,7 @@ class EplbConfig:
     min_gain: float = 0.01  # apply only placements predicted to raise balancedness this much
     apply_timeout_s: float = 120.0
     window_s: float = 10.0  # measured balancedness covers this much recent traffic
+    forget_after_s: float = 60.0  # what is kept about a group that left the registry this long
 
     def __post_init__(self) -> None:
         if self.interval_steps < 0 or self.poll_s <= 0 or self.num_nodes < 1:
@@ -86,6 +89,8 @@ class EplbController(Service):
         self._rebalances: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._incarnations: dict[str, tuple[tuple[int, int, float], ...]] = {}
+        self._last_seen: dict[str, float] = {}  # group -> monotonic time it was registered
         self._watch: asyncio.Task[None] | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -121,12 +126,46 @@ class EplbController(Service):
         while True:
             await asyncio.sleep(self.config.poll_s)
             try:
-                for group in (await self.groups()).values():
-                    await self._observe(group)
+                await self.poll()
             except ClusterStateError as e:  # Redis away: the next poll retries
                 log.warning("cannot read the cluster state", error=str(e))
             except Exception as e:  # one bad poll must not end the watch
                 log.error("eplb poll failed", error=repr(e))
+
+    async def poll(self) -> None:
+        """One look at every registered group (what the watch does every ``poll_s``)."""
+        groups = await self.groups()
+        for group in groups.values():
+            self._track(group)
+            await self._observe(group)
+        self._forget_gone(groups)
+
+    def _track(self, group: Group) -> None:
+        """A group whose ranks are new processes (restarted under the same name) counts its
+        steps and rows from zero again: its history starts over."""
+        now = tuple(sorted((r, rec.pid, rec.started_at) for r, rec in group.ranks.items()))
+        if self._incarnations.get(group.name, now) != now:
+            log.info("group restarted; its history starts over", group=group.name)
+            self._windows.pop(group.name, None)
+            self._rebalanced_at_step.pop(group.name, None)
+        self._incarnations[group.name] = now
+        self._last_seen[group.name] = time.monotonic()
+
+    def _forget_gone(self, registered: Collection[str]) -> None:
+        """Drop what is kept about groups gone from the registry for ``forget_after_s``, and
+        their metrics (`ferry up` restarts a group under a new name). Not at once: after a
+        Redis restart the registry is empty until the next heartbeats."""
+        now = time.monotonic()
+        gone = [g for g, seen in self._last_seen.items()
+                if g not in registered and now - seen >= self.config.forget_after_s]  # fmt: skip
+        for name in gone:
+            for kept in (self._windows, self._rebalanced_at_step, self._rebalances,
+                         self._incarnations, self._last_seen):  # fmt: skip
+                kept.pop(name, None)
+            for metric in metrics.PER_GROUP:
+                with contextlib.suppress(KeyError):  # never set for this group
+                    metric.remove(name)
+            log.info("group forgotten", group=name)
 
     async def reports(self, group: Group) -> dict[int, ExpertLoadReport]:
         reports = await self.cluster.expert_load_reports(group.name)
