@@ -263,10 +263,11 @@ class Launcher:
 
     def _restart(self, unit: Unit, members: list[Child]) -> None:
         """Start ``members`` again on their ports; a DEP group on a new master."""
-        master = f"{self.spec.host}:{free_port(self.spec.host)}"
-        for c in members:
-            if "--dep-master" in c.cmd:
+        if any("--dep-master" in c.cmd for c in members):
+            master = f"{self.spec.host}:{free_port(self.spec.host)}"
+            for c in members:
                 c.cmd = _with_flag(c.cmd, "--dep-master", master)
+        for c in members:
             c.proc = _popen(c.cmd, quiet=c.role == "redis")
         unit.state, unit.started = "starting", time.monotonic()
         pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in members)
