@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from infra import flags
+from infra.launcher import WORKER_ROLES
 from infra.restarts import RESTART_MODES
 from services.engine.model.presets import PRESETS
 
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
     from infra.launcher import ClusterSpec
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
-WORKER_ROLES = ("prefill", "decode", "aggregated")
 
 
 def _export_preset(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from infra.redis_server import redis_answers, redis_command, start_redis
 from infra.restarts import Backoff, RestartPolicy
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
-WORKER_ROLES = ["prefill", "decode", "aggregated"]
+WORKER_ROLES = ("prefill", "decode", "aggregated")
 STOP_GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
 
 
