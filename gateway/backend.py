@@ -3,6 +3,7 @@ from the scheduler (``Scheduler.Generate``)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,10 @@ import grpc
 from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.log import get_logger
 from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,9 @@ class GatewayConfig:
     api_key: str = ""  # "" : no authentication
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
+    # A request that finds the scheduler unreachable (restarting) waits this long for it, then
+    # gets 503; /health says "not ready" at once.
+    scheduler_wait_s: float = 15.0
 
     @property
     def model_name(self) -> str:
@@ -42,6 +49,12 @@ def for_choice(params: common_pb2.SamplingParams, index: int) -> common_pb2.Samp
     return out
 
 
+# Reconnect to a scheduler that went away every 0.25-1 s (gRPC's default backs off to 120 s),
+# so a waiting request goes on soon after the scheduler is back.
+CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
+
+
 class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -50,10 +63,28 @@ class Backend:
         self._channel: grpc.aio.Channel | None = None
 
     @property
-    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+    def channel(self) -> grpc.aio.Channel:
         if self._channel is None:  # created on the server's event loop
-            self._channel = grpc.aio.insecure_channel(self.config.scheduler)
-        return scheduler_pb2_grpc.SchedulerStub(self._channel)
+            self._channel = grpc.aio.insecure_channel(self.config.scheduler, CHANNEL_OPTIONS)
+        return self._channel
+
+    @property
+    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        return scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def reach_scheduler(self) -> None:
+        """Return once the channel to the scheduler is connected; wait up to scheduler_wait_s
+        for one that is (re)starting, then raise 503."""
+        if self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), self.config.scheduler_wait_s)
+        except TimeoutError:
+            why = (f"the scheduler at {self.config.scheduler} did not answer within "
+                   f"{self.config.scheduler_wait_s:g} s; retry later")  # fmt: skip
+            raise OpenAIError(
+                503, why, "service_unavailable", code="scheduler_unavailable"
+            ) from None
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -88,17 +119,34 @@ class Backend:
         self, prompt_ids: list[int], params: common_pb2.SamplingParams, request_id: str = ""
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         """The scheduler's token stream; a gRPC error becomes an OpenAIError. Closing the
-        iterator (a client that went away) cancels the request upstream."""
+        iterator (a client that went away) cancels the request upstream.
+
+        A request whose connection to the scheduler drops before its first token (the
+        scheduler died or is restarting; the request died with it) is sent once more when the
+        scheduler is back. An UNAVAILABLE that the scheduler itself answers is not retried: its
+        connection is still up."""
         req = scheduler_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt_ids, sampling_params=params)  # fmt: skip
-        call = self.stub.Generate(req, timeout=self.config.request_timeout_s)
-        try:
-            async for chunk in call:
-                yield chunk
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e.code(), e.details() or "") from e
-        finally:
-            call.cancel()  # a no-op once the stream has ended
+        for last_try in (False, True):
+            await self.reach_scheduler()
+            call = self.stub.Generate(req, timeout=self.config.request_timeout_s)
+            started = False
+            try:
+                async for chunk in call:
+                    started = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                if not last_try and not started and self._connection_dropped(e):
+                    log.info("scheduler_connection_lost", request_id=req.request_id)
+                    continue
+                raise from_grpc(e.code(), e.details() or "") from e
+            finally:
+                call.cancel()  # a no-op once the stream has ended
+
+    def _connection_dropped(self, error: grpc.aio.AioRpcError) -> bool:
+        connected = self.channel.get_state() is grpc.ChannelConnectivity.READY
+        return error.code() is grpc.StatusCode.UNAVAILABLE and not connected
 
     async def ready(self) -> tuple[bool, str]:
         """Ready when the scheduler answers and sees an aggregated worker, or a prefill and a

@@ -14,6 +14,7 @@ import contextlib
 import json
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -209,20 +210,31 @@ def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluste
 
 def test_a_killed_scheduler_is_restarted_on_its_port(cluster_a: Cluster) -> None:
     """kill -9 of the scheduler: `ferry up` starts it again on the same port, so the gateway
-    (and any client) keeps its address, and the OpenAI API serves again."""
+    (and any client) keeps its address. A request sent to the gateway while the scheduler is
+    down waits for it (--scheduler-wait) instead of failing."""
+    host, port = cluster_a.scheduler.rsplit(":", 1)
     cluster_a.signal("scheduler-0", signal.SIGKILL)
-    back = lambda: cluster_a.said("scheduler-0 is serving again")  # noqa: E731
-    cluster_a.wait_for("scheduler-0 restarted", back, 60)
-    assert cluster_a.said("scheduler-0 exited with code -9")
-    cluster_a.restarted("scheduler-0", 5)
+    cluster_a.wait_for("scheduler-0 gone", lambda: not _accepts(host, int(port)), 10)
     with urllib.request.urlopen(f"{cluster_a.gateway}/v1/models", timeout=10) as reply:
         model = json.load(reply)["data"][0]["id"]
     body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0,
                        "ignore_eos": True}).encode()  # fmt: skip
     request = urllib.request.Request(f"{cluster_a.gateway}/v1/completions", body,
                                      {"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=30) as reply:
+    with urllib.request.urlopen(request, timeout=60) as reply:
         assert json.load(reply)["usage"]["completion_tokens"] == 4
+    back = lambda: cluster_a.said("scheduler-0 is serving again")  # noqa: E731
+    cluster_a.wait_for("scheduler-0 restarted", back, 30)
+    assert cluster_a.said("scheduler-0 exited with code -9")
+    cluster_a.restarted("scheduler-0", 5)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster) -> None:

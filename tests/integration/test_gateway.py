@@ -247,7 +247,8 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
 
 
 def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
-    proc, url = _gateway(f"127.0.0.1:{free_port()}", str(checkpoint))
+    """/health says so at once; a request waits --scheduler-wait for one to come up, then 503."""
+    proc, url = _gateway(f"127.0.0.1:{free_port()}", str(checkpoint), "--scheduler-wait", "1")
     try:
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(url + "/health", timeout=5)
@@ -256,6 +257,8 @@ def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
         with pytest.raises(openai.InternalServerError) as err:
             c.completions.create(model=str(checkpoint), prompt="hi", max_tokens=2)
         assert err.value.status_code == 503
+        assert err.value.body["code"] == "scheduler_unavailable", err.value.body  # type: ignore[index]
+        assert "did not answer within 1 s" in err.value.message
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
