@@ -273,6 +273,16 @@ class ClusterState:
                             "updated_at": time.time()})  # fmt: skip
         await self._run(self.redis.set(self.key("eplb", group, "placement"), value))
 
+    async def placement(self, group: str) -> dict[str, Any] | None:
+        """What ``save_placement`` last wrote for ``group`` (None: nothing)."""
+        value = await self._run(self.redis.get(self.key("eplb", group, "placement")))
+        return json.loads(value) if value else None
+
+    async def forget_eplb_group(self, group: str) -> None:
+        """Delete a gone group's ``eplb:{group}:*`` keys."""
+        keys = [self.key("eplb", group, name) for name in ("load", "placement")]
+        await self._run(self.redis.delete(*keys))
+
     async def publish_kv_events(self, batch: KvEvents) -> None:
         await self._run(self.redis.xadd(self.key("kv-events"), batch.encode(),  # type: ignore[arg-type]
                                         maxlen=KV_EVENTS_MAXLEN, approximate=True))  # fmt: skip

@@ -138,7 +138,7 @@ class EplbController(Service):
         for group in groups.values():
             self._track(group)
             await self._observe(group)
-        self._forget_gone(groups)
+        await self._forget_gone(groups)
 
     def _track(self, group: Group) -> None:
         """A group whose ranks are new processes (restarted under the same name) counts its
@@ -151,10 +151,10 @@ class EplbController(Service):
         self._incarnations[group.name] = now
         self._last_seen[group.name] = time.monotonic()
 
-    def _forget_gone(self, registered: Collection[str]) -> None:
-        """Drop what is kept about groups gone from the registry for ``forget_after_s``, and
-        their metrics (`ferry up` restarts a group under a new name). Not at once: after a
-        Redis restart the registry is empty until the next heartbeats."""
+    async def _forget_gone(self, registered: Collection[str]) -> None:
+        """Drop what is kept about groups gone from the registry for ``forget_after_s``: here,
+        their metrics, and their keys in Redis (`ferry up` restarts a group under a new name).
+        Not at once: after a Redis restart the registry is empty until the next heartbeats."""
         now = time.monotonic()
         gone = [g for g, seen in self._last_seen.items()
                 if g not in registered and now - seen >= self.config.forget_after_s]  # fmt: skip
@@ -165,6 +165,7 @@ class EplbController(Service):
             for metric in metrics.PER_GROUP:
                 with contextlib.suppress(KeyError):  # never set for this group
                     metric.remove(name)
+            await self.cluster.forget_eplb_group(name)
             log.info("group forgotten", group=name)
 
     async def reports(self, group: Group) -> dict[int, ExpertLoadReport]:

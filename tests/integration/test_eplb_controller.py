@@ -1,6 +1,6 @@
 """The EPLB controller's view of a group across its restarts, against a real redis-server: a
 group whose ranks are new processes starts its history over, and a group gone from the
-registry is forgotten with its metrics. The group's ranks here are records and load reports
+registry is forgotten with its metrics and its keys in Redis. The group's ranks here are records and load reports
 written as ranks write them (no rank answers gRPC: with interval_steps 0 the controller only
 measures)."""
 
@@ -66,14 +66,19 @@ def test_a_restarted_group_starts_over_and_a_gone_one_is_forgotten() -> None:
                 assert even == 1.0 and ctl.balancedness("g") == even
                 assert _balancedness_samples()["g"] == even
 
-                # gone: after forget_after_s the controller drops the group and its metrics
+                # gone: after forget_after_s the controller drops the group, its metrics and
+                # its placement (the load reports would expire on their own)
+                await ctl.cluster.save_placement("g", 1, [[1, 0]])
                 for state in ranks:
                     await state.deregister()
                 await ctl.poll()
                 assert "g" in _balancedness_samples()  # not at once
+                assert await ctl.cluster.placement("g") is not None
                 await asyncio.sleep(0.6)
                 await ctl.poll()
                 assert ctl.balancedness("g") == 0.0 and "g" not in _balancedness_samples()
+                assert await ctl.cluster.placement("g") is None
+                assert await ctl.cluster.expert_load_reports("g") == {}
             finally:
                 for state in ranks:
                     await state.close()
