@@ -399,4 +399,7 @@ def test_the_ucx_probe_tells_a_process_that_can_no_longer_connect() -> None:
     assert lines, child.stdout + child.stderr
     report = json.loads(lines[0].removeprefix("RESULT "))
     assert report["healthy"] is None
-    assert report["starved"] == "no UCX handshake with a listener of this process within 2.0s"
+    # without descriptors the handshake either never completes or fails at once, by timing
+    starved = report["starved"] or ""
+    assert starved.startswith(("no UCX handshake with a listener of this process within 2.0s",
+                               "cannot open a UCX connection to this process: ")), starved  # fmt: skip
