@@ -92,7 +92,10 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         worker += ["--router-skew", str(args.router_skew)]
     serve_args = {
         "gateway": ["--model", args.model, "--api-key", args.api_key],
-        "scheduler": ["--routing-policy", args.routing_policy],
+        "scheduler": [
+            *("--routing-policy", args.routing_policy),
+            *("--migration-limit", str(args.migration_limit)),
+        ],
         "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)],
     }
     for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
@@ -163,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
     flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")
+    flags.add(up, "--migration-limit", 0, "the scheduler's --migration-limit")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")

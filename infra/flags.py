@@ -106,6 +106,8 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-attempts", d.max_attempts, "tries per stage before a request fails")
     add(p, "--retry-backoff", d.retry_backoff_s, "first retry's backoff in seconds")
     add(p, "--refresh", d.refresh_s, "seconds between reads of the cluster state")
+    add(p, "--migration-limit", d.migration_limit, "times a request whose worker fails after "
+        "streaming may go on on another worker (0: it fails)")  # fmt: skip
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
@@ -163,5 +165,5 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         service=service_config(args), routing_policy=args.routing_policy,
         max_attempts=args.max_attempts, retry_backoff_s=args.retry_backoff,
-        refresh_s=args.refresh,
+        refresh_s=args.refresh, migration_limit=args.migration_limit,
     )  # fmt: skip

@@ -64,6 +64,14 @@ class Usage(_message.Message):
     cached_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class Resumed(_message.Message):
+    __slots__ = ("num_output_tokens", "num_emitted_chars")
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMITTED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    num_output_tokens: int
+    num_emitted_chars: int
+    def __init__(self, num_output_tokens: _Optional[int] = ..., num_emitted_chars: _Optional[int] = ...) -> None: ...
+
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/decode_worker.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"\xfb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12/\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x17.ferry.v1.TokenLogprobs\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.ferry.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r2\x80\x01\n\x0c\x44\x65\x63odeWorker\x12\x39\n\x06\x44\x65\x63ode\x12\x17.ferry.v1.DecodeRequest\x1a\x14.ferry.v1.TokenChunk0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotos/decode_worker.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"\x9f\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\x05\x12/\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x17.ferry.v1.TokenLogprobs\x12%\n\tkv_handle\x18\x06 \x01(\x0b\x32\x12.ferry.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\"\n\x07resumed\x18\x08 \x01(\x0b\x32\x11.ferry.v1.Resumed2\x80\x01\n\x0c\x44\x65\x63odeWorker\x12\x39\n\x06\x44\x65\x63ode\x12\x17.ferry.v1.DecodeRequest\x1a\x14.ferry.v1.TokenChunk0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,7 +33,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode_worker_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=62
-  _globals['_DECODEREQUEST']._serialized_end=313
-  _globals['_DECODEWORKER']._serialized_start=316
-  _globals['_DECODEWORKER']._serialized_end=444
+  _globals['_DECODEREQUEST']._serialized_end=349
+  _globals['_DECODEWORKER']._serialized_start=352
+  _globals['_DECODEWORKER']._serialized_end=480
 # @@protoc_insertion_point(module_scope)

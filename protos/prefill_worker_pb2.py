@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/prefill_worker.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"q\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\"o\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x14.ferry.v1.TokenChunk\x12%\n\tkv_handle\x18\x03 \x01(\x0b\x32\x12.ferry.v1.KvHandle\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xc1\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x18.ferry.v1.PrefillRequest\x1a\x17.ferry.v1.PrefillResult\x12;\n\x07Release\x12\x18.ferry.v1.ReleaseRequest\x1a\x16.ferry.v1.ReleaseReply\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/prefill_worker.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"\x95\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12\"\n\x07resumed\x18\x04 \x01(\x0b\x32\x11.ferry.v1.Resumed\"o\n\rPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x14.ferry.v1.TokenChunk\x12%\n\tkv_handle\x18\x03 \x01(\x0b\x32\x12.ferry.v1.KvHandle\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xc1\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x18.ferry.v1.PrefillRequest\x1a\x17.ferry.v1.PrefillResult\x12;\n\x07Release\x12\x18.ferry.v1.ReleaseRequest\x1a\x16.ferry.v1.ReleaseReply\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.prefill_worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=62
-  _globals['_PREFILLREQUEST']._serialized_end=175
-  _globals['_PREFILLRESULT']._serialized_start=177
-  _globals['_PREFILLRESULT']._serialized_end=288
-  _globals['_RELEASEREQUEST']._serialized_start=290
-  _globals['_RELEASEREQUEST']._serialized_end=327
-  _globals['_RELEASEREPLY']._serialized_start=329
-  _globals['_RELEASEREPLY']._serialized_end=361
-  _globals['_PREFILLWORKER']._serialized_start=364
-  _globals['_PREFILLWORKER']._serialized_end=557
+  _globals['_PREFILLREQUEST']._serialized_start=63
+  _globals['_PREFILLREQUEST']._serialized_end=212
+  _globals['_PREFILLRESULT']._serialized_start=214
+  _globals['_PREFILLRESULT']._serialized_end=325
+  _globals['_RELEASEREQUEST']._serialized_start=327
+  _globals['_RELEASEREQUEST']._serialized_end=364
+  _globals['_RELEASEREPLY']._serialized_start=366
+  _globals['_RELEASEREPLY']._serialized_end=398
+  _globals['_PREFILLWORKER']._serialized_start=401
+  _globals['_PREFILLWORKER']._serialized_end=594
 # @@protoc_insertion_point(module_scope)

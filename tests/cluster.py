@@ -56,9 +56,12 @@ class Cluster:
     def said(self, message: str) -> bool:
         """`ferry up` printed a line that starts ``ferry up: {message}`` (its own lines, not its
         children's)."""
+        return self.times_said(message) > 0
+
+    def times_said(self, message: str) -> int:
         assert self.log is not None
         lines = self.log.read_text(errors="replace").splitlines()
-        return any(line.startswith(f"ferry up: {message}") for line in lines)
+        return sum(line.startswith(f"ferry up: {message}") for line in lines)
 
     def logged(self, text: str) -> bool:
         """``text`` is in the output of `ferry up` or of one of its children (their logs)."""

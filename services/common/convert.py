@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from protos import common_pb2 as pb
-from services.engine.request import RequestOutput
+from services.engine.request import RequestOutput, Resumed
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
@@ -61,6 +61,10 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 def logprobs_to_pb(lp: dict[int, float] | None) -> pb.TokenLogprobs:
     entries = [] if lp is None else [pb.Logprob(token_id=t, logprob=v) for t, v in lp.items()]
     return pb.TokenLogprobs(entries=entries)
+
+
+def resumed_from_pb(msg: pb.Resumed) -> Resumed:
+    return Resumed(msg.num_output_tokens, msg.num_emitted_chars)
 
 
 def logprobs_from_pb(msg: pb.TokenLogprobs) -> dict[int, float] | None:

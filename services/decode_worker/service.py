@@ -24,7 +24,7 @@ from services.common.server import abort_with
 from services.common.worker import KV_ERROR_KEY, EngineWorker, WorkerConfig, transfer_status
 from services.decode_worker import metrics
 from services.engine.async_engine import EngineDeadError
-from services.engine.request import ImportedKv
+from services.engine.request import ImportedKv, Resumed
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer import KvHandle, KvImporter, KvTransport, TransferError, create_transport
 
@@ -99,13 +99,15 @@ class AggregatedWorker(DecodeWorker):
 
 def _parse(
     request: decode_worker_pb2.DecodeRequest, prefills: bool
-) -> tuple[list[int], SamplingParams, KvHandle | None]:
-    """The request's prompt, sampling params and KV handle (None: prefill it here)."""
+) -> tuple[list[int], SamplingParams, KvHandle | None, Resumed | None]:
+    """The request's prompt, sampling params, KV handle (None: prefill it here) and where it
+    resumes (None: it starts here)."""
     if not request.HasField("kv_handle") and not prefills:
         raise ValueError("kv_handle is missing")
     params = convert.sampling_params_from_pb(request.sampling_params)
     handle = convert.kv_handle_from_pb(request.kv_handle) if request.HasField("kv_handle") else None
-    return list(request.prompt_token_ids), params, handle
+    resumed = convert.resumed_from_pb(request.resumed) if request.HasField("resumed") else None
+    return list(request.prompt_token_ids), params, handle, resumed
 
 
 class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
@@ -119,7 +121,7 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         with bind_request(rid):
             try:
-                ids, params, handle = _parse(request, w.prefills)
+                ids, params, handle, resumed = _parse(request, w.prefills)
                 w.engine.engine.validate(ids, params)
             except ValueError as e:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -137,7 +139,8 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                     imported = ImportedKv(key, request.first_token_id,
                                           convert.logprobs_from_pb(request.first_logprobs),
                                           request.num_cached_tokens)  # fmt: skip
-                async for outs in w.engine.stream(ids, params, rid, imported=imported):
+                async for outs in w.engine.stream(ids, params, rid, imported=imported,
+                                                  resumed=resumed):  # fmt: skip
                     metrics.COALESCED.observe(len(outs))
                     yield convert.chunk_from_outputs(outs)
             except (ValueError, KeyError) as e:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine, EngineLoad
-from services.engine.request import ImportedKv, RequestOutput
+from services.engine.request import ImportedKv, RequestOutput, Resumed
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 
@@ -34,6 +34,7 @@ class _Add:
     params: SamplingParams
     hand_off: bool = False
     imported: ImportedKv | None = None
+    resumed: Resumed | None = None
 
 
 @dataclass
@@ -86,12 +87,13 @@ class AsyncEngine:
         *,
         hand_off: bool = False,
         imported: ImportedKv | None = None,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput after every step that adds tokens; the last one is finished.
-        Invalid requests raise ValueError before anything runs. ``hand_off`` and ``imported``
-        are as in :meth:`Engine.add_request`."""
+        Invalid requests raise ValueError before anything runs. ``hand_off``, ``imported`` and
+        ``resumed`` are as in :meth:`Engine.add_request`."""
         async for outs in self.stream(prompt, params, request_id, hand_off=hand_off,
-                                      imported=imported):  # fmt: skip
+                                      imported=imported, resumed=resumed):  # fmt: skip
             for out in outs:
                 yield out
 
@@ -103,6 +105,7 @@ class AsyncEngine:
         *,
         hand_off: bool = False,
         imported: ImportedKv | None = None,
+        resumed: Resumed | None = None,
     ) -> AsyncIterator[list[RequestOutput]]:
         """Like :meth:`generate`, but yields every output that is ready at once: a reader that
         lags gets several steps' outputs in one list (to coalesce into one message)."""
@@ -117,7 +120,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already running")
             self._streams[rid] = stream
-            self._adds.append(_Add(rid, ids, params, hand_off, imported))
+            self._adds.append(_Add(rid, ids, params, hand_off, imported, resumed))
             self._cv.notify()
         finished = False
         try:
@@ -190,7 +193,8 @@ class AsyncEngine:
         for a in adds:
             try:
                 self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
-                                        hand_off=a.hand_off, imported=a.imported)  # fmt: skip
+                                        hand_off=a.hand_off, imported=a.imported,
+                                        resumed=a.resumed)  # fmt: skip
             except (ValueError, KeyError) as e:
                 self._deliver_error(a.request_id, e)
         for rid in aborts:

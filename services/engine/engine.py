@@ -25,7 +25,7 @@ from services.engine.experts import ExpertPlacement
 from services.engine.kv_cache import KVCacheManager
 from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
 from services.engine.output_processor import OutputProcessor, make_output
-from services.engine.request import ImportedKv, Request, RequestOutput, Status
+from services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
@@ -147,10 +147,12 @@ class Engine:
         *,
         hand_off: bool = False,
         imported: ImportedKv | None = None,
+        resumed: Resumed | None = None,
     ) -> None:
         """Queue a request. ``hand_off`` (prefill role): it ends after its first token, its
         prompt's blocks held for export (see ``RequestOutput.kv_hold``). ``imported`` (decode
-        role): its prompt's KV is already in this cache and its first token already sampled."""
+        role): its prompt's KV is already in this cache and its first token already sampled.
+        ``resumed``: the prompt ends with tokens it generated elsewhere (see ``_resume``)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -165,11 +167,28 @@ class Engine:
             generator=gen,
             hand_off=hand_off,
         )
+        if resumed is not None:
+            self._resume(req, resumed)
         if imported is not None:
             self._adopt(req, imported)
         else:
             self.planner.add(req)
         self.requests[request_id] = req
+
+    @staticmethod
+    def _resume(req: Request, resumed: Resumed) -> None:
+        """Pick up the text state where the failed worker left it: the detokenizer has seen
+        the generated tokens, and the text the client has not got yet (held back as a possible
+        stop string's start, or cut short with the stream) is pending. So the next token's text
+        joins on, and a stop string across the move is still found. The caller (the scheduler)
+        lowered max_tokens and min_tokens by what was generated."""
+        k, n = resumed.num_output_tokens, len(req.prompt_token_ids)
+        if not 0 < k < n:
+            raise ValueError(f"resumed.num_output_tokens is {k}; it must be 1..{n - 1} "
+                             f"(the prompt has {n} tokens)")  # fmt: skip
+        text = req.detokenizer.push(req.prompt_token_ids[n - k :])
+        cut = min(resumed.num_emitted_chars, len(text))
+        req.text, req.pending_text = text[:cut], text[cut:]
 
     def _adopt(self, req: Request, imported: ImportedKv) -> None:
         """Take over an imported prompt: its blocks, then its first token replayed through the

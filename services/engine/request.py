@@ -98,3 +98,13 @@ class ImportedKv:
     first_token_id: int
     first_logprobs: dict[int, float] | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A request that moved here from a worker that failed mid-stream (request migration): the
+    last ``num_output_tokens`` of its prompt are what it had generated, and the client already
+    has the first ``num_emitted_chars`` characters of their text."""
+
+    num_output_tokens: int
+    num_emitted_chars: int

@@ -3,6 +3,10 @@
 from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("ferry_scheduler_requests_total", "Generate calls by outcome", ["outcome"])
+MIGRATIONS = Counter(
+    "ferry_scheduler_migrations_total",
+    "Requests moved to another worker after their worker failed mid-stream",
+)  # fmt: skip
 RETRIES = Counter("ferry_scheduler_retries_total", "Calls retried on another worker", ["stage"])
 RUNNING = Gauge("ferry_scheduler_running_requests", "Generate calls in flight")
 TTFT = Histogram(

@@ -14,7 +14,12 @@ does. So a mixed cluster fills its aggregated workers first and spills over to P
 2. Stream the first token at once (that is the time to first token).
 3. Pick a decode worker and stream its ``Decode``. A decode worker that is down or full before
    it sent anything is replaced by another: the KV still waits under its lease on the prefill
-   worker. Any later failure ends the stream with the original status.
+   worker. Any later failure ends the stream with the original status, unless the request may
+   move (``migration_limit``, as Dynamo's request migration): a worker that died or went away
+   after tokens were streamed, and the request goes on from where it was on another worker,
+   with what it generated appended to its prompt (``Resumed`` tells the worker which tokens
+   those are and how much of their text the client has). Greedy requests go on with the tokens
+   they would have had; a seeded one draws new random numbers from its seed.
 Cancelling ``Generate`` (or ``Abort``) cancels the worker RPC in flight, which aborts the request
 there, and releases a lease that no decode worker has pulled. No request state goes to Redis.
 """
@@ -54,6 +59,10 @@ from services.scheduler.prefix_index import follow
 
 log = get_logger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A worker that died (UNAVAILABLE), whose KV pull failed or timed out, or that stopped serving
+# (its server cancelled the call): the request can go on elsewhere.
+MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class SchedulerConfig:
     max_attempts: int = 3  # per stage (prefill, decode), first try included
     retry_backoff_s: float = 0.05  # doubled after every failed attempt
     refresh_s: float = 0.25  # how often the registry and loads are read from Redis
+    migration_limit: int = 0  # moves of a request whose worker fails after streaming (0: none)
 
     def __post_init__(self) -> None:
         if self.routing_policy not in POLICIES:
@@ -71,6 +81,8 @@ class SchedulerConfig:
             )
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
 
 
 class Failed(Exception):
@@ -93,7 +105,8 @@ class Scheduler(Service):
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.view = ClusterView(self.cluster, config.refresh_s, suspect_s=svc.ttl_s)
         self.policy = create_policy(config.routing_policy)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[tuple[str, int, float], grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._active: dict[str, asyncio.Task[object]] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
@@ -125,10 +138,18 @@ class Scheduler(Service):
             await channel.close()
         await self.cluster.close()
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
-        return self._channels[address]
+    def channel(self, worker: WorkerRecord) -> grpc.aio.Channel:
+        """One channel per worker process. A worker restarted on the same address gets a new
+        one: the old channel would sit in gRPC's reconnect back-off (up to minutes), failing
+        every call at once, long after the new process serves."""
+        key = (worker.address, worker.pid, worker.started_at)
+        if key not in self._channels:
+            for old in [k for k in self._channels if k[0] == worker.address]:
+                stale = self._channels.pop(old)  # its process is gone: its calls are dead
+                self._closing.add(task := asyncio.create_task(stale.close()))
+                task.add_done_callback(self._closing.discard)
+            self._channels[key] = grpc.aio.insecure_channel(worker.address)
+        return self._channels[key]
 
     # ---- one request ----------------------------------------------------------------------
     async def generate(
@@ -136,26 +157,45 @@ class Scheduler(Service):
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         route = await self._route_request(request, rid)
         started = time.perf_counter()
-        first = True
-        async for chunk in self._serve(request, rid, route):
-            if first:
-                metrics.TTFT.observe(time.perf_counter() - started)
-                first = False
-            metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
-            if chunk.finish_reason:
-                metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
-                metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
-            yield chunk
+        sent = _Sent()
+        part, resumed, worker_rid = request, None, rid
+        while True:
+            try:
+                async for chunk in self._serve(part, worker_rid, route, resumed):
+                    if not sent.token_ids:
+                        metrics.TTFT.observe(time.perf_counter() - started)
+                    sent.add(chunk)
+                    metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+                    if chunk.finish_reason:
+                        if resumed is not None:  # usage of the whole request, not of this part
+                            _count_usage(chunk.usage, request, sent)
+                        metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
+                        metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
+                    yield chunk
+                return
+            except Failed as f:
+                if not (sent.migrations < self.config.migration_limit and sent.token_ids
+                        and f.code in MIGRATABLE):  # fmt: skip
+                    raise
+                sent.migrations += 1
+                log.warning("migrating", reason=f.message, code=f.code.name,
+                            generated=len(sent.token_ids), migration=sent.migrations)  # fmt: skip
+                metrics.MIGRATIONS.inc()
+                part, resumed = _continuation(request, sent), sent.resumed()
+                worker_rid = f"{rid}.m{sent.migrations}"  # the old one may linger on a worker
+                route = await self._route_request(part, rid)
 
     async def _serve(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
-    ) -> AsyncIterator[common_pb2.TokenChunk]:
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        resumed: common_pb2.Resumed | None = None,
+    ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
         """On an aggregated worker when there is one; else, or when every aggregated worker
         refused before streaming and there are prefill workers, prefill then decode."""
         if self.view.workers("aggregated"):
             msg = decode_worker_pb2.DecodeRequest(request_id=rid,
                                                   prompt_token_ids=request.prompt_token_ids,
-                                                  sampling_params=request.sampling_params)  # fmt: skip
+                                                  sampling_params=request.sampling_params,
+                                                  resumed=resumed)  # fmt: skip
             streamed = False
             try:
                 async for chunk in self._stream("aggregated", msg, route):
@@ -170,18 +210,19 @@ class Scheduler(Service):
                 log.info("no aggregated worker took the request; prefill then decode",
                          code=f.code.name)  # fmt: skip
         metrics.PATHS.labels("disaggregated").inc()
-        async for chunk in self._disaggregated(request, rid, route):
+        async for chunk in self._disaggregated(request, rid, route, resumed):
             yield chunk
 
     async def _disaggregated(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
-    ) -> AsyncIterator[common_pb2.TokenChunk]:
-        result, prefill = await self._prefill(request, rid, route)
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        resumed: common_pb2.Resumed | None,
+    ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
+        result, prefill = await self._prefill(request, rid, route, resumed)
         first = result.first
         if first.finish_reason:
             yield first
             return
-        decode = _decode_request(request, rid, result)
+        decode = _decode_request(request, rid, result, resumed)
         first.ClearField("usage")  # clients get usage on the last chunk only
         yield first
         try:
@@ -227,15 +268,17 @@ class Scheduler(Service):
         return self.view.workers("aggregated") + self.view.workers("prefill")
 
     async def _prefill(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest
-    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:
+        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        resumed: common_pb2.Resumed | None,
+    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:  # fmt: skip
         msg = prefill_worker_pb2.PrefillRequest(request_id=rid,
                                                 prompt_token_ids=request.prompt_token_ids,
-                                                sampling_params=request.sampling_params)  # fmt: skip
+                                                sampling_params=request.sampling_params,
+                                                resumed=resumed)  # fmt: skip
         tried: dict[str, Failed] = {}
         for attempt in range(self.config.max_attempts):
             cand = await self._pick("prefill", tried, route)
-            stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record.address))
+            stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
             try:
                 with self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens):
                     return await stub.Prefill(msg), cand.record
@@ -255,7 +298,7 @@ class Scheduler(Service):
         tried: dict[str, Failed] = {}
         for attempt in range(self.config.max_attempts):
             cand = await self._pick(role, tried, route)
-            stub = decode_worker_pb2_grpc.DecodeWorkerStub(self.channel(cand.record.address))
+            stub = decode_worker_pb2_grpc.DecodeWorkerStub(self.channel(cand.record))
             call = stub.Decode(msg)
             streamed = False
             try:
@@ -293,10 +336,10 @@ class Scheduler(Service):
         code = e.code()
         kv_error = any(k == KV_ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
         where = f"{stage} worker {cand.worker_id}"
+        if code == grpc.StatusCode.UNAVAILABLE and not kv_error:  # down or going away: route
+            self.view.suspect(cand.worker_id)  # around it, a retry's and a migration's next pick
         if streamed or kv_error or code not in RETRYABLE:
             raise Failed(code, f"{where}: {e.details()}")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self.view.suspect(cand.worker_id)
         if attempt + 1 == self.config.max_attempts:
             raise Failed(code, f"{where} (attempt {attempt + 1}, the last): {e.details()}")
         log.info("retrying", stage=stage, worker=cand.worker_id, code=code.name)
@@ -305,7 +348,7 @@ class Scheduler(Service):
         return Failed(code, f"{where}: {e.details()}")
 
     async def _release(self, prefill: WorkerRecord, transfer_id: str) -> None:
-        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(prefill.address))
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(prefill))
         req = prefill_worker_pb2.ReleaseRequest(transfer_id=transfer_id)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await asyncio.shield(stub.Release(req, timeout=2.0))
@@ -320,8 +363,9 @@ class Scheduler(Service):
 
 
 def _decode_request(
-    request: scheduler_pb2.GenerateRequest, rid: str, result: prefill_worker_pb2.PrefillResult
-) -> decode_worker_pb2.DecodeRequest:
+    request: scheduler_pb2.GenerateRequest, rid: str, result: prefill_worker_pb2.PrefillResult,
+    resumed: common_pb2.Resumed | None,
+) -> decode_worker_pb2.DecodeRequest:  # fmt: skip
     """The Decode that continues a prefill: its first token and the handle of its KV."""
     first = result.first
     return decode_worker_pb2.DecodeRequest(
@@ -329,7 +373,51 @@ def _decode_request(
         sampling_params=request.sampling_params, first_token_id=first.token_ids[0],
         first_logprobs=first.logprobs[0] if first.logprobs else None,
         kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
+        resumed=resumed,
     )  # fmt: skip
+
+
+@dataclass
+class _Sent:
+    """What a request has streamed to its client so far, across its moves."""
+
+    token_ids: list[int] = field(default_factory=list)
+    num_chars: int = 0
+    migrations: int = 0
+
+    def add(self, chunk: common_pb2.TokenChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.num_chars += len(chunk.text)
+
+    def resumed(self) -> common_pb2.Resumed:
+        return common_pb2.Resumed(num_output_tokens=len(self.token_ids),
+                                  num_emitted_chars=self.num_chars)  # fmt: skip
+
+
+def _continuation(
+    request: scheduler_pb2.GenerateRequest, sent: _Sent
+) -> scheduler_pb2.GenerateRequest:
+    """The rest of ``request`` after what was sent: those tokens appended to the prompt, and
+    max_tokens / min_tokens lowered by their number."""
+    k = len(sent.token_ids)
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(request.sampling_params)
+    if params.HasField("max_tokens"):
+        params.max_tokens -= k  # >= 1: the request would have ended otherwise
+    params.min_tokens = max(0, params.min_tokens - k)
+    return scheduler_pb2.GenerateRequest(
+        request_id=request.request_id, sampling_params=params,
+        prompt_token_ids=[*request.prompt_token_ids, *sent.token_ids],
+    )  # fmt: skip
+
+
+def _count_usage(
+    usage: common_pb2.Usage, request: scheduler_pb2.GenerateRequest, sent: _Sent
+) -> None:
+    """A moved request's last chunk reports its last part; the client wants the whole."""
+    n = len(request.prompt_token_ids)
+    usage.prompt_tokens, usage.completion_tokens = n, len(sent.token_ids)
+    usage.cached_tokens = min(usage.cached_tokens, n)
 
 
 def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:

@@ -1,9 +1,10 @@
 """The disaggregated cluster end to end: real redis-server, real `ferry up` processes, gRPC.
 
-Cluster A (1 prefill, 2 decode, UCX, kv_aware) serves, in file order: parity, metrics,
-streaming, cancellation, validation, Redis restart, a second scheduler replica, then the
-failure tests: kill -9 of the scheduler and of decode-1 (both restarted by `ferry up`), SIGTERM
-of decode-0 (a clean exit: not restarted). Cluster B (2 prefill, 1 decode, gRPC transport,
+Cluster A (1 prefill, 2 decode, UCX, kv_aware, --migration-limit 1) serves, in file order:
+parity, metrics, streaming, cancellation, validation, Redis restart, a second scheduler replica,
+then the failure tests: kill -9 of the scheduler and of decode-1 (both restarted by `ferry up`),
+kill -9 of the decode worker streaming a request (which moves on), a prefill worker whose UCX
+cannot connect, SIGTERM of decode-0 (a clean exit: not restarted). Cluster B (2 prefill, 1 decode, gRPC transport,
 round_robin) is for the prefill failure.
 """
 
@@ -53,7 +54,7 @@ def redis() -> Iterator[RedisServer]:
 def cluster_a(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
     with ferry_up(redis.url, "--prefill", "1", "--decode", "2", "--model", str(checkpoint),
                   "--num-kv-blocks", str(NUM_BLOCKS), "--worker-args", WORKER_ARGS,
-                  cluster="a") as c:  # fmt: skip
+                  "--migration-limit", "1", cluster="a") as c:  # fmt: skip
         yield c
 
 
@@ -264,6 +265,55 @@ def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster)
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
 
 
+def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
+    cluster_a: Cluster, checkpoint: Path
+) -> None:
+    """--migration-limit 1: kill -9 of the decode worker that is streaming a greedy request. The
+    request goes on from where it was (prefilled again with what it had generated, decoded on
+    the other worker); the client gets the tokens and the text of a request that never moved."""
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+
+    prompt, n = prompts(2)[1], 900
+
+    async def main() -> tuple[list[int], str, str, int, str]:
+        async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            sent_at = time.time()
+            call = stub.Generate(scheduler_pb2.GenerateRequest(
+                prompt_token_ids=prompt, sampling_params=greedy(n, ignore_eos=True)), timeout=60)  # fmt: skip
+            tokens, text, finish, killed_after, busy = [], "", "", 0, ""
+            async for chunk in call:
+                tokens += chunk.token_ids
+                text += chunk.text
+                finish = chunk.finish_reason
+                if not killed_after and len(tokens) >= 20:
+                    busy = await asyncio.to_thread(_streaming_decode_worker, cluster_a, sent_at)
+                    cluster_a.signal(busy, signal.SIGKILL)
+                    killed_after = len(tokens)
+            return tokens, text, finish, killed_after, busy
+
+    tokens, text, finish, killed_after, busy = asyncio.run(asyncio.wait_for(main(), 90))
+    assert killed_after < n - 100, killed_after  # it was killed mid-stream
+    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
+                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    (ref,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert (tokens, text, finish) == (ref.token_ids, ref.text, "length")
+    assert cluster_a.logged('"event": "migrating"')
+    cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
+
+
+def _streaming_decode_worker(cluster: Cluster, since: float) -> str:
+    """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = [v.record.worker_id for v in cluster.views("decode")
+                if v.load and v.load.running and v.load.updated_at > since]  # fmt: skip
+        if busy:
+            return busy[0]
+        time.sleep(0.05)
+    raise AssertionError("no decode worker reported a running request")
+
+
 def test_a_worker_whose_ucx_cannot_connect_leaves_and_is_restarted(cluster_a: Cluster) -> None:
     """prefill-0 is left no file descriptor (its RLIMIT_NOFILE lowered from outside), so its
     UCX cannot open a connection, as after a peer wedged it (see ucx.UCX_DEFAULTS): its probe
@@ -292,7 +342,7 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     up` does not restart it, and new requests go to decode-1 (restarted by the test above)."""
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
-    async def main() -> tuple[list[int], float]:
+    async def main() -> tuple[list[int], float, int]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             calls = [stub.Generate(scheduler_pb2.GenerateRequest(
@@ -301,6 +351,7 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
             counts = []
             for call in calls:  # the first token, then one from decode-0
                 counts.append(sum([len((await call.read()).token_ids) for _ in range(2)]))
+            restarts = cluster_a.times_said("restarting decode-0")  # by the tests above
             cluster_a.signal("decode-0", signal.SIGTERM)
             signalled = time.monotonic()
             gone = lambda: "decode-0" not in {v.record.worker_id for v in cluster_a.views()}  # noqa: E731
@@ -309,9 +360,9 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
             for i, call in enumerate(calls):
                 while (chunk := await call.read()) is not grpc.aio.EOF:
                     counts[i] += len(chunk.token_ids)
-            return counts, left_after
+            return counts, left_after, restarts
 
-    counts, left_after = asyncio.run(asyncio.wait_for(main(), 60))
+    counts, left_after, restarts = asyncio.run(asyncio.wait_for(main(), 60))
     assert left_after < 1.0  # deregistered at once, not by expiry
     assert counts == [64] * 4
     cluster_a.wait_for("decode-0 exited", lambda: cluster_a.said("decode-0 exited with code 0"), 30)
@@ -320,7 +371,7 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     )
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
     time.sleep(0.6)  # a restart would be announced on the launcher's next look (every 0.5 s)
-    assert not cluster_a.said("restarting decode-0")
+    assert cluster_a.times_said("restarting decode-0") == restarts
 
 
 def test_killed_prefill_worker_retries_what_streamed_nothing(
