@@ -13,6 +13,7 @@ import grpc
 from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.channels import open_channel
 from services.common.log import get_logger
 from services.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -49,12 +50,6 @@ def for_choice(params: common_pb2.SamplingParams, index: int) -> common_pb2.Samp
     return out
 
 
-# Reconnect to a scheduler that went away every 0.25-1 s (gRPC's default backs off to 120 s),
-# so a waiting request goes on soon after the scheduler is back.
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
-
-
 class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -65,7 +60,7 @@ class Backend:
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:  # created on the server's event loop
-            self._channel = grpc.aio.insecure_channel(self.config.scheduler, CHANNEL_OPTIONS)
+            self._channel = open_channel(self.config.scheduler)  # retries every 0.25-1 s
         return self._channel
 
     @property

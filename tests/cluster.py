@@ -58,6 +58,11 @@ class Cluster:
         children's)."""
         return self.times_said(message) > 0
 
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines of `ferry up`'s and its children's output, for a failing test."""
+        assert self.log is not None
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
     def times_said(self, message: str) -> int:
         assert self.log is not None
         lines = self.log.read_text(errors="replace").splitlines()

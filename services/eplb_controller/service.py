@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from protos import eplb_pb2, eplb_pb2_grpc
+from services.common.channels import ChannelPool
 from services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
@@ -88,7 +89,7 @@ class EplbController(Service):
         self._rebalanced_at_step: dict[str, int] = {}
         self._rebalances: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
         self._incarnations: dict[str, tuple[tuple[int, int, float], ...]] = {}
         self._last_seen: dict[str, float] = {}  # group -> monotonic time it was registered
         self._watch: asyncio.Task[None] | None = None
@@ -109,8 +110,7 @@ class EplbController(Service):
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()
         await self.cluster.close()
 
     # ---- watching -------------------------------------------------------------------------
@@ -266,9 +266,8 @@ class EplbController(Service):
         return list(results)  # type: ignore[arg-type]
 
     def _stub(self, rec: WorkerRecord) -> eplb_pb2_grpc.ExpertPlacementStub:
-        if rec.address not in self._channels:
-            self._channels[rec.address] = grpc.aio.insecure_channel(rec.address)
-        return eplb_pb2_grpc.ExpertPlacementStub(self._channels[rec.address])
+        channel = self._channels.get(rec.address, (rec.pid, rec.started_at))
+        return eplb_pb2_grpc.ExpertPlacementStub(channel)
 
     async def status(self, group: Group) -> eplb_pb2.GroupState:
         state = eplb_pb2.GroupState(group=group.name, ranks=len(group.ranks),

@@ -5,7 +5,6 @@ beyond grpcio."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,7 @@ import grpc
 
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
+from services.common.channels import ChannelPool
 from services.kv_transfer.handle import LeaseNotFound, TransferError
 from services.kv_transfer.staging import as_bytes, checksum
 from services.kv_transfer.transport import KvSink, KvTransport, register
@@ -69,7 +69,7 @@ class _Servicer(pb_grpc.KvTransferServicer):
 class GrpcTransport(KvTransport):
     def __init__(self) -> None:
         self._server: grpc.aio.Server | None = None
-        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self._channels = ChannelPool()
 
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
         self._server = grpc.aio.server()
@@ -79,10 +79,7 @@ class GrpcTransport(KvTransport):
         return bound
 
     def _stub(self, handle: KvHandle) -> pb_grpc.KvTransferStub:
-        key = (handle.host, handle.port)
-        if key not in self._channels:
-            self._channels[key] = grpc.aio.insecure_channel(f"{handle.host}:{handle.port}")
-        return pb_grpc.KvTransferStub(self._channels[key])
+        return pb_grpc.KvTransferStub(self._channels.get(f"{handle.host}:{handle.port}"))
 
     async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
         dst = as_bytes(sink.staged())
@@ -127,10 +124,7 @@ class GrpcTransport(KvTransport):
         return bool(reply.ok)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            with contextlib.suppress(Exception):
-                await channel.close()
-        self._channels.clear()
+        await self._channels.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None

@@ -46,6 +46,7 @@ from protos import (
     scheduler_pb2_grpc,
 )
 from services.common import convert
+from services.common.channels import ChannelPool
 from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
 from services.common.config import ServiceConfig
 from services.common.log import bind_request, get_logger
@@ -105,8 +106,7 @@ class Scheduler(Service):
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.view = ClusterView(self.cluster, config.refresh_s, suspect_s=svc.ttl_s)
         self.policy = create_policy(config.routing_policy)
-        self._channels: dict[tuple[str, int, float], grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._channels = ChannelPool()
         self._active: dict[str, asyncio.Task[object]] = {}
         self._refresher: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
@@ -134,22 +134,11 @@ class Scheduler(Service):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         await self.cluster.close()
 
     def channel(self, worker: WorkerRecord) -> grpc.aio.Channel:
-        """One channel per worker process. A worker restarted on the same address gets a new
-        one: the old channel would sit in gRPC's reconnect back-off (up to minutes), failing
-        every call at once, long after the new process serves."""
-        key = (worker.address, worker.pid, worker.started_at)
-        if key not in self._channels:
-            for old in [k for k in self._channels if k[0] == worker.address]:
-                stale = self._channels.pop(old)  # its process is gone: its calls are dead
-                self._closing.add(task := asyncio.create_task(stale.close()))
-                task.add_done_callback(self._closing.discard)
-            self._channels[key] = grpc.aio.insecure_channel(worker.address)
-        return self._channels[key]
+        return self._channels.get(worker.address, (worker.pid, worker.started_at))
 
     # ---- one request ----------------------------------------------------------------------
     async def generate(

@@ -292,7 +292,11 @@ def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
                     killed_after = len(tokens)
             return tokens, text, finish, killed_after, busy
 
-    tokens, text, finish, killed_after, busy = asyncio.run(asyncio.wait_for(main(), 90))
+    try:
+        tokens, text, finish, killed_after, busy = asyncio.run(asyncio.wait_for(main(), 90))
+    except BaseException:
+        print(cluster_a.log_tail())  # which workers the scheduler tried, and why they failed
+        raise
     assert killed_after < n - 100, killed_after  # it was killed mid-stream
     engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
                                  num_kv_blocks=NUM_BLOCKS))  # fmt: skip

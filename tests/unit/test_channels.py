@@ -1,0 +1,66 @@
+"""ChannelPool: one channel per peer process, a fresh one for a process restarted on the same
+address (a real gRPC server stopped and started again on its port). Fresh means its own
+connection: gRPC shares them among a process's channels by default, and a new channel to the
+restarted peer then failed at once, in the old one's reconnect back-off."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from infra.ports import free_port
+from services.common import channels
+from services.common.channels import ChannelPool
+
+
+async def _serve(port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+async def _check(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # gRPC's own reconnect back-off (1 s, growing), so that the old channel is surely in it
+    kept = [o for o in channels.OPTIONS if not o[0].endswith("reconnect_backoff_ms")]
+    monkeypatch.setattr(channels, "OPTIONS", kept)
+
+    async def main() -> None:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        pool = ChannelPool()
+        server = await _serve(port)
+        try:
+            first = pool.get(address, ("pid", 1))
+            assert pool.get(address, ("pid", 1)) is first
+            assert await _check(first) is grpc.StatusCode.OK
+            await server.stop(None)
+            for _ in range(4):  # refused: gRPC backs off its reconnects, failing calls at once
+                assert await _check(first) is grpc.StatusCode.UNAVAILABLE
+                await asyncio.sleep(0.3)
+            server = await _serve(port)
+            second = pool.get(address, ("pid", 2))  # the registry shows a new process
+            assert second is not first and len(pool) == 1
+            assert await _check(second) is grpc.StatusCode.OK
+            await asyncio.sleep(0)  # the old channel's close runs
+            with pytest.raises(Exception, match="Channel is closed"):  # grpc's UsageError
+                await _check(first)
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(main())
