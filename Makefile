@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration clean redis
 
 setup: $(STAMP) redis
 
@@ -50,7 +50,7 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge
+bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration
 
 bench-kv: setup
 	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
@@ -58,6 +58,10 @@ bench-kv: setup
 # UCX importers wedged by exporters killed mid-pull, and whether the workers' probe sees it (~3 min)
 bench-ucx-wedge: setup
 	$(PY) loadtest/ucx_wedge.py $(BENCH_ARGS)
+
+# A decode worker killed under 8 streaming requests (--migration-limit 1): stalls, outputs (~1 min)
+bench-migration: setup
+	$(PY) loadtest/bench_migration.py $(BENCH_ARGS)
 
 # 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
 bench-services: setup

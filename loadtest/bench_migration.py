@@ -1,0 +1,195 @@
+"""What a request migration costs the client: concurrent greedy requests through a `ferry up`
+cluster (1 prefill, 2 decode, --migration-limit 1), once undisturbed and once with one decode
+worker killed (-9) mid-stream, on the same prompts, side by side in each trial.
+
+Per request it records the gap from the first token (the prefill worker's) to the next chunk
+(the hand-off to a decode worker), the longest gap after that (the stall a client sees) and the
+tokens. The killed round must give every request all its tokens, equal to the undisturbed
+round's (greedy); its longest stalls are those of the requests that moved (as many as the
+scheduler's ``ferry_scheduler_migrations_total`` grew): a second hand-off (prefill again with
+what was generated, KV to the other decode worker), set against the undisturbed hand-off and
+stalls.
+Between trials the killed worker is restarted by the launcher (its restart policy).
+
+    python loadtest/bench_migration.py                  # tiny model, 3 trials of 8 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import torch
+
+from infra.launcher import ClusterSpec, Launcher
+from infra.ports import free_port
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+
+async def _one(stub: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], n: int,
+               progress: list[int], i: int) -> dict[str, object]:  # fmt: skip
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+    tokens: list[int] = []
+    gaps: list[float] = []  # between chunks; the first is the prefill -> decode hand-off
+    last, error = time.perf_counter(), ""
+    try:
+        async for chunk in stub.Generate(req):
+            now = time.perf_counter()
+            if tokens:
+                gaps.append(now - last)
+            last = now
+            tokens += chunk.token_ids
+            progress[i] = len(tokens)
+    except grpc.aio.AioRpcError as e:
+        error = f"{e.code().name}: {e.details()}"
+    return {"tokens": tokens, "handoff_s": gaps[0] if gaps else 0.0,
+            "max_gap_s": max(gaps[1:], default=0.0), "error": error}  # fmt: skip
+
+
+async def _round(address: str, prompts: list[list[int]], n: int, kill: int = 0,
+                 victim: Launcher | None = None, name: str = "") -> tuple[list[dict[str, object]], float]:  # fmt: skip
+    """All ``prompts`` at once; with ``kill``, SIGKILL worker ``name`` once every request has
+    ``kill`` tokens."""
+    progress = [0] * len(prompts)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        t = time.perf_counter()
+        tasks = [asyncio.create_task(_one(stub, p, n, progress, i)) for i, p in enumerate(prompts)]
+        if kill and victim is not None:
+            while min(progress) < kill and not all(task.done() for task in tasks):
+                await asyncio.sleep(0.005)
+            (child,) = [c for c in victim.children if c.name == name]
+            os.kill(child.proc.pid, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t
+
+
+def _migrations(launcher: Launcher) -> float:
+    (sched,) = [c for c in launcher.children if c.role == "scheduler"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{sched.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r"^ferry_scheduler_migrations_total ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _serving(launcher: Launcher, name: str, timeout: float = 60) -> None:
+    """Wait until the launcher's restart of ``name`` serves (its health check answers)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    (child,) = [c for c in launcher.children if c.name == name]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.proc.poll() is None:
+            try:
+                with grpc.insecure_channel(child.address) as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                                 timeout=1)  # fmt: skip
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    time.sleep(1.5)  # a heartbeat: the scheduler sees it again
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} was not restarted within {timeout:.0f}s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--requests", type=int, default=8, help="sent at once")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--kill-after", type=int, default=32, help="tokens every request has first")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtest/results/migration.json")
+    args = p.parse_args()
+    worker = ["--model", args.model, "--block-size", "16", "--log-level", "warning"]
+    spec = ClusterSpec(prefill=1, decode=2, scheduler_port=free_port(), gateway_port=0,
+                       cluster="bench-migration",
+                       serve_args={"prefill": worker, "decode": worker,
+                                   "scheduler": ["--migration-limit", "1",
+                                                 "--log-level", "warning"]})  # fmt: skip
+    launcher = Launcher(spec)
+    launcher.start()
+    threading.Thread(target=launcher.wait, daemon=True).start()  # restarts the killed worker
+    address = f"{spec.host}:{spec.scheduler_port}"
+    gen = torch.Generator().manual_seed(args.seed)
+    trials = []
+    try:
+        for t in range(args.trials):
+            prompts = [torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
+                       for _ in range(args.requests)]  # fmt: skip
+            calm, calm_s = asyncio.run(_round(address, prompts, args.output_len))
+            before = _migrations(launcher)
+            victim = f"decode-{t % 2}"
+            hit, hit_s = asyncio.run(_round(address, prompts, args.output_len, args.kill_after,
+                                            launcher, victim))  # fmt: skip
+            moved = int(_migrations(launcher) - before)
+            gaps = sorted((float(r["max_gap_s"]) for r in hit), reverse=True)  # type: ignore[arg-type]
+            calm_gaps = [float(r["max_gap_s"]) for r in calm]  # type: ignore[arg-type]
+            handoffs = [float(r["handoff_s"]) for r in calm]  # type: ignore[arg-type]
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(hit, calm, strict=True))
+            row = {
+                "killed": victim,
+                "migrations": moved,
+                "errors": [r["error"] for r in hit if r["error"]],
+                "complete": sum(len(r["tokens"]) == args.output_len for r in hit),  # type: ignore[arg-type]
+                "same_tokens_as_undisturbed": same,
+                "undisturbed_handoff_median_s": statistics.median(handoffs),
+                "undisturbed_max_stall_s": max(calm_gaps),
+                "moved_max_gaps_s": gaps[:moved],
+                "others_median_max_gap_s": statistics.median(gaps[moved:]) if gaps[moved:] else 0,
+                "undisturbed_round_s": calm_s,
+                "killed_round_s": hit_s,
+            }
+            trials.append(row)
+            print(
+                f"trial {t}: killed {victim}; {moved} moved, {row['complete']}/{args.requests} "
+                f"complete, {row['same_tokens_as_undisturbed']} same tokens; stalls of the "
+                f"moved {[round(g, 3) for g in gaps[:moved]]} s vs undisturbed hand-off "
+                f"{statistics.median(handoffs):.3f} s, stall {max(calm_gaps):.3f} s; "
+                f"round {hit_s:.2f} s vs {calm_s:.2f} s",
+                flush=True,
+            )
+            _serving(launcher, victim)
+    finally:
+        launcher.request_stop()
+        launcher.stop()
+    moved_gaps = [g for r in trials for g in r["moved_max_gaps_s"]]  # type: ignore[attr-defined]
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "workload": {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "kill_after_tokens": args.kill_after,
+                     "greedy": True, "cluster": "1 prefill + 2 decode, ucx, --migration-limit 1"},
+        "moved_requests": len(moved_gaps),
+        "moved_stall_median_s": statistics.median(moved_gaps) if moved_gaps else None,
+        "undisturbed_handoff_median_s": statistics.median(
+            float(r["undisturbed_handoff_median_s"]) for r in trials),  # type: ignore[arg-type]
+        "undisturbed_max_stall_median_s": statistics.median(
+            float(r["undisturbed_max_stall_s"]) for r in trials),  # type: ignore[arg-type]
+        "all_complete_and_equal": all(
+            r["complete"] == r["same_tokens_as_undisturbed"] == args.requests for r in trials),
+        "trials": trials,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
