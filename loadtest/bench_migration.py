@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import sys
@@ -170,7 +171,7 @@ def main() -> None:
         launcher.stop()
     moved_gaps = [g for r in trials for g in r["moved_max_gaps_s"]]  # type: ignore[attr-defined]
     result = {
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
         "workload": {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
