@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from protos import common_pb2 as pb
+from protos import decode_worker_pb2, prefill_worker_pb2
 from services.engine.request import RequestOutput, Resumed
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint
@@ -63,8 +64,13 @@ def logprobs_to_pb(lp: dict[int, float] | None) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(entries=entries)
 
 
-def resumed_from_pb(msg: pb.Resumed) -> Resumed:
-    return Resumed(msg.num_output_tokens, msg.num_emitted_chars)
+def resumed_of(
+    request: prefill_worker_pb2.PrefillRequest | decode_worker_pb2.DecodeRequest,
+) -> Resumed | None:
+    """Where a request that moved here mid-stream resumes (None: it starts here)."""
+    if not request.HasField("resumed"):
+        return None
+    return Resumed(request.resumed.num_output_tokens, request.resumed.num_emitted_chars)
 
 
 def logprobs_from_pb(msg: pb.TokenLogprobs) -> dict[int, float] | None:

@@ -106,8 +106,7 @@ def _parse(
         raise ValueError("kv_handle is missing")
     params = convert.sampling_params_from_pb(request.sampling_params)
     handle = convert.kv_handle_from_pb(request.kv_handle) if request.HasField("kv_handle") else None
-    resumed = convert.resumed_from_pb(request.resumed) if request.HasField("resumed") else None
-    return list(request.prompt_token_ids), params, handle, resumed
+    return list(request.prompt_token_ids), params, handle, convert.resumed_of(request)
 
 
 class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):

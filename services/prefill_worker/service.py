@@ -67,9 +67,7 @@ class PrefillWorker(EngineWorker):
                       context: grpc.aio.ServicerContext) -> prefill_worker_pb2.PrefillResult:  # fmt: skip
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
-            resumed = (
-                convert.resumed_from_pb(request.resumed) if request.HasField("resumed") else None
-            )
+            resumed = convert.resumed_of(request)
             out: RequestOutput | None = None
             self._active.add(rid)
             async for o in self.engine.generate(ids, params, rid, hand_off=True, resumed=resumed):
