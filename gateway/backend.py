@@ -12,8 +12,8 @@ import grpc
 
 from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.channels import open_channel
+from gateway.schedulers import Replica, SchedulerPool
+from protos import common_pb2, scheduler_pb2
 from services.common.log import get_logger
 from services.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -24,16 +24,21 @@ log = get_logger(__name__)
 class GatewayConfig:
     model: str = "tiny"  # preset or checkpoint directory: the tokenizer and chat template
     served_model_name: str = ""  # the name clients send as `model` (default: model)
-    scheduler: str = "127.0.0.1:50052"  # where `ferry up` puts it
+    # the scheduler replicas' gRPC addresses; 127.0.0.1:50052 is where `ferry up` puts the first
+    schedulers: tuple[str, ...] = ("127.0.0.1:50052",)
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051  # the public gRPC API (ferry.v1.Ferry); -1: off, 0: any free port
     api_key: str = ""  # "" : no authentication
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
-    # A request that finds the scheduler unreachable (restarting) waits this long for it, then
+    # A request that finds no scheduler reachable (restarting) waits this long for one, then
     # gets 503; /health says "not ready" at once.
     scheduler_wait_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.schedulers:
+            raise ValueError("give at least one scheduler address (--scheduler)")
 
     @property
     def model_name(self) -> str:
@@ -55,35 +60,10 @@ class Backend:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         self.chat_template = ChatTemplate.for_model(config.model)
-        self._channel: grpc.aio.Channel | None = None
-
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        if self._channel is None:  # created on the server's event loop
-            self._channel = open_channel(self.config.scheduler)  # retries every 0.25-1 s
-        return self._channel
-
-    @property
-    def stub(self) -> scheduler_pb2_grpc.SchedulerStub:
-        return scheduler_pb2_grpc.SchedulerStub(self.channel)
-
-    async def reach_scheduler(self) -> None:
-        """Return once the channel to the scheduler is connected; wait up to scheduler_wait_s
-        for one that is (re)starting, then raise 503."""
-        if self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
-            return
-        try:
-            await asyncio.wait_for(self.channel.channel_ready(), self.config.scheduler_wait_s)
-        except TimeoutError:
-            why = (f"the scheduler at {self.config.scheduler} did not answer within "
-                   f"{self.config.scheduler_wait_s:g} s; retry later")  # fmt: skip
-            raise OpenAIError(
-                503, why, "service_unavailable", code="scheduler_unavailable"
-            ) from None
+        self.schedulers = SchedulerPool(config.schedulers, config.scheduler_wait_s)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        await self.schedulers.close()
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -116,44 +96,49 @@ class Backend:
         """The scheduler's token stream; a gRPC error becomes an OpenAIError. Closing the
         iterator (a client that went away) cancels the request upstream.
 
-        A request whose connection to the scheduler drops before its first token (the
-        scheduler died or is restarting; the request died with it) is sent once more when the
-        scheduler is back. An UNAVAILABLE that the scheduler itself answers is not retried: its
-        connection is still up."""
+        A request whose connection to its scheduler drops before its first token (the
+        scheduler died or is restarting; the request died with it) is sent once more, to
+        another replica when one is connected. An UNAVAILABLE that the scheduler itself
+        answers is not retried: its connection is still up."""
         req = scheduler_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
                                             prompt_token_ids=prompt_ids, sampling_params=params)  # fmt: skip
+        dropped = ""
         for last_try in (False, True):
-            await self.reach_scheduler()
-            call = self.stub.Generate(req, timeout=self.config.request_timeout_s)
+            replica = await self.schedulers.pick(avoid=dropped)
+            call = replica.stub.Generate(req, timeout=self.config.request_timeout_s)
             started = False
             try:
-                async for chunk in call:
-                    started = True
-                    yield chunk
+                with replica.streaming():
+                    async for chunk in call:
+                        started = True
+                        yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                if not last_try and not started and self._connection_dropped(e):
-                    log.info("scheduler_connection_lost", request_id=req.request_id)
+                if not last_try and not started and replica.dropped(e):
+                    log.info("scheduler_connection_lost", request_id=req.request_id,
+                             scheduler=replica.address)  # fmt: skip
+                    dropped = replica.address
                     continue
                 raise from_grpc(e.code(), e.details() or "") from e
             finally:
                 call.cancel()  # a no-op once the stream has ended
 
-    def _connection_dropped(self, error: grpc.aio.AioRpcError) -> bool:
-        connected = self.channel.get_state() is grpc.ChannelConnectivity.READY
-        return error.code() is grpc.StatusCode.UNAVAILABLE and not connected
-
     async def ready(self) -> tuple[bool, str]:
-        """Ready when the scheduler answers and sees an aggregated worker, or a prefill and a
-        decode worker."""
-        try:
-            reply = await self.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=2)
-        except grpc.aio.AioRpcError as e:
-            return False, f"scheduler at {self.config.scheduler}: {e.code().name}"
-        roles = {w.info.role for w in reply.workers}
-        if "aggregated" in roles:
-            return True, "ok"
-        missing = [r for r in ("prefill", "decode") if r not in roles]
-        if missing:
-            return False, f"no {' and no '.join(missing)} worker registered"
+        """Ready when a scheduler answers and sees an aggregated worker, or a prefill and a
+        decode worker; the reason is the first replica's when none is."""
+        answers = await asyncio.gather(*(_ready(r) for r in self.schedulers.replicas))
+        return next((a for a in answers if a[0]), answers[0])
+
+
+async def _ready(replica: Replica) -> tuple[bool, str]:
+    try:
+        reply = await replica.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=2)
+    except grpc.aio.AioRpcError as e:
+        return False, f"scheduler at {replica.address}: {e.code().name}"
+    roles = {w.info.role for w in reply.workers}
+    if "aggregated" in roles:
         return True, "ok"
+    missing = [r for r in ("prefill", "decode") if r not in roles]
+    if missing:
+        return False, f"no {' and no '.join(missing)} worker registered"
+    return True, "ok"

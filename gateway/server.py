@@ -27,7 +27,7 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
         grpc_server, grpc_port = await start_grpc(backend, config.host, config.grpc_port)
         log.info("serving", role="gateway", grpc=f"{config.host}:{grpc_port}")
     log.info("serving", role="gateway", http=f"{config.host}:{config.port}",
-             model=config.model_name, scheduler=config.scheduler)  # fmt: skip
+             model=config.model_name, schedulers=",".join(config.schedulers))  # fmt: skip
     try:
         await http.serve()  # returns on SIGTERM / SIGINT (uvicorn's handlers)
     finally:

@@ -38,7 +38,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.role == "gateway":
         from gateway.server import main as serve_gateway
 
-        return serve_gateway(flags.gateway_config(args), args.log_level)
+        try:
+            config = flags.gateway_config(args)
+        except ValueError as e:
+            print(f"ferry serve gateway: {e}", file=sys.stderr)
+            return 2
+        return serve_gateway(config, args.log_level)
     if args.role == "scheduler":
         from services.scheduler.service import Scheduler
 
@@ -82,6 +87,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     from infra.launcher import ClusterSpec
     from infra.restarts import RestartPolicy
 
+    if args.schedulers < 1:
+        raise ValueError(f"--schedulers {args.schedulers}: a cluster needs at least one")
+
     worker = ["--model", args.model, "--kv-transport", args.kv_transport,
               "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
     if args.num_kv_blocks:
@@ -104,7 +112,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         prefill=_pd_count(args.prefill, args.aggregated),
         decode=_pd_count(args.decode, args.aggregated), aggregated=args.aggregated,
-        prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, host=args.host,
+        prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, schedulers=args.schedulers,
+        host=args.host,
         scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
         redis_url=args.redis_url, cluster=args.cluster, restart=RestartPolicy(args.restart),
         serve_args=serve_args,
@@ -167,11 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
     flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")
     flags.add(up, "--migration-limit", 0, "the scheduler's --migration-limit")
+    flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
     flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")
-    flags.add(up, "--scheduler-port", 50052, "the scheduler's gRPC port (0: any free port)")
+    flags.add(up, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")

@@ -114,9 +114,10 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     add(p, "--model", d.model, "preset or checkpoint directory (tokenizer, chat template)")
     add(p, "--served-model-name", d.served_model_name, "the name clients ask for (default: model)")
-    add(p, "--scheduler", d.scheduler, "the scheduler's gRPC address")
+    add(p, "--scheduler", ",".join(d.schedulers), "the scheduler's gRPC address; replicas: "
+        "several, comma-separated (each request goes to the least busy one that is up)")  # fmt: skip
     add(p, "--scheduler-wait", d.scheduler_wait_s, "seconds a request waits for a scheduler "
-        "that does not answer (restarting) before 503")  # fmt: skip
+        "when none answers (restarting) before 503")  # fmt: skip
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
@@ -127,10 +128,14 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        model=args.model, served_model_name=args.served_model_name, scheduler=args.scheduler,
-        host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
+        model=args.model, served_model_name=args.served_model_name,
+        schedulers=_addresses(args.scheduler), host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
     )  # fmt: skip
+
+
+def _addresses(given: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in given.split(",") if a.strip())
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:

@@ -1,7 +1,7 @@
 """``ferry up``: a whole local cluster as child processes.
 
 Starts a private redis-server (unless a Redis URL is given), then the prefill, decode and
-aggregated workers, the scheduler and (when there is a DEP group) the EPLB controller, each as
+aggregated workers, the scheduler(s) and (when there is a DEP group) the EPLB controller, each as
 ``ferry serve ROLE``; waits until every one answers its gRPC
 health check; prints the endpoints; and on Ctrl-C / SIGTERM stops them all (scheduler first,
 redis last). Children die with the launcher even if it is killed (PR_SET_PDEATHSIG).
@@ -67,8 +67,9 @@ class ClusterSpec:
     prefill_dep: int = 1  # > 1: also one prefill DEP group of this many ranks
     decode_dep: int = 1
     aggregated: int = 0  # workers that prefill and decode in one engine
+    schedulers: int = 1  # replicas; the gateway spreads requests over them
     host: str = "127.0.0.1"
-    scheduler_port: int = 50052  # 0: any free port
+    scheduler_port: int = 50052  # the first scheduler's; 0: any free port (others: any)
     gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
     grpc_port: int = 50051  # the gateway's public gRPC API
     redis_url: str = ""  # "": start a private redis-server
@@ -104,7 +105,8 @@ class Launcher:
                                        "--dep-master", master])  # fmt: skip
             for i in range(count):
                 self._spawn(role, f"{role}-{i}")
-        self._spawn("scheduler", "scheduler-0", port=s.scheduler_port)
+        for i in range(s.schedulers):
+            self._spawn("scheduler", f"scheduler-{i}", port=s.scheduler_port if i == 0 else 0)
         if max(s.prefill_dep, s.decode_dep) > 1:  # a DEP group: balance its experts live
             self._spawn("eplb", "eplb-0")
         self._wait_healthy()
@@ -130,10 +132,10 @@ class Launcher:
 
     def _spawn_gateway(self) -> None:
         s = self.spec
-        scheduler = next(c.address for c in self.children if c.role == "scheduler")
+        schedulers = ",".join(c.address for c in self.children if c.role == "scheduler")
         cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--host", s.host,
                "--port", str(s.gateway_port), "--grpc-port", str(s.grpc_port),
-               "--scheduler", scheduler, *s.serve_args.get("gateway", [])]  # fmt: skip
+               "--scheduler", schedulers, *s.serve_args.get("gateway", [])]  # fmt: skip
         proc = _popen(cmd)
         child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc,
                       cmd, "gateway")  # fmt: skip

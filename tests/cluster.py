@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -106,6 +107,15 @@ class Cluster:
                 raise AssertionError(f"{what}: not within {timeout}s; registry: {now}")
             time.sleep(0.1)
         return time.monotonic() - started
+
+    def metric(self, worker_id: str, sample: str) -> float:
+        """The sum of the samples of ``worker_id``'s /metrics whose line starts with ``sample``
+        (a name, or a name and the start of its labels)."""
+        (view,) = [v for v in self.views() if v.record.worker_id == worker_id]
+        url = f"http://127.0.0.1:{view.record.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            lines = reply.read().decode().splitlines()
+        return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(sample))
 
     def all_blocks_free(self) -> bool:
         """Every worker's load report says no KV block is in use (free or cached only)."""

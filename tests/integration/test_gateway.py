@@ -36,8 +36,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(checkpoint: Path) -> Iterator[Cluster]:
     with redis_server() as redis, ferry_up(redis.url, "--model", str(checkpoint),
-                                           "--num-kv-blocks", "256", "--worker-args",
-                                           WORKER_ARGS, cluster="gw") as c:  # fmt: skip
+                                           "--num-kv-blocks", "256", "--schedulers", "2",
+                                           "--worker-args", WORKER_ARGS, cluster="gw") as c:  # fmt: skip
         yield c
 
 
@@ -259,6 +259,37 @@ def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
         assert err.value.status_code == 503
         assert err.value.body["code"] == "scheduler_unavailable", err.value.body  # type: ignore[index]
         assert "did not answer within 1 s" in err.value.message
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+
+
+def test_requests_take_turns_on_the_scheduler_replicas(
+    cluster: Cluster, client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """`ferry up --schedulers 2`: the gateway sends one request at a time to each in turn."""
+    ok = 'ferry_scheduler_requests_total{outcome="ok"}'
+    names = ("scheduler-0", "scheduler-1")
+    before = [cluster.metric(n, ok) for n in names]
+    for i in range(6):
+        client.completions.create(model=model_of(checkpoint), prompt=f"turn {i}", max_tokens=2)
+    assert [cluster.metric(n, ok) - b for n, b in zip(names, before, strict=True)] == [3, 3]
+
+
+def test_a_gateway_with_a_dead_scheduler_replica_serves_through_the_live_one(
+    cluster: Cluster, checkpoint: Path
+) -> None:
+    """Given a dead scheduler address and a live one, the gateway is ready and serves every
+    request (tests/unit/test_scheduler_pool.py shows the dead one is not even tried)."""
+    dead = f"127.0.0.1:{free_port()}"
+    proc, url = _gateway(f"{dead},{cluster.scheduler}", str(checkpoint), "--scheduler-wait", "1")
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+            assert reply.status == 200
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for i in range(4):
+            out = c.completions.create(model=str(checkpoint), prompt=f"live {i}", max_tokens=2)
+            assert out.usage is not None and out.usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)

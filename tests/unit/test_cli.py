@@ -110,3 +110,22 @@ def test_ferry_up_refuses_flags_a_worker_would_not_take_before_starting_anything
         "ferry up: --worker-args / --decode-args: not flags of `ferry serve decode`" in run.stderr
     )
     assert "unrecognized arguments: --max-seqs 4" in run.stderr
+
+
+def test_the_gateway_takes_several_scheduler_addresses_and_refuses_none() -> None:
+    from infra.cli import build_parser
+    from infra.flags import gateway_config
+
+    args = build_parser().parse_args(["serve", "gateway", "--scheduler", "a:1, b:2,"])
+    assert gateway_config(args).schedulers == ("a:1", "b:2")
+    run = _ferry("serve", "gateway", "--scheduler", ",", "--port", str(free_port()))
+    assert run.returncode == 2
+    assert "ferry serve gateway: give at least one scheduler address" in run.stderr
+
+
+def test_ferry_up_needs_a_scheduler() -> None:
+    from infra.cli import build_parser, cluster_spec
+
+    with pytest.raises(ValueError, match="--schedulers 0: a cluster needs at least one"):
+        cluster_spec(build_parser().parse_args(["up", "--schedulers", "0"]))
+    assert cluster_spec(build_parser().parse_args(["up", "--schedulers", "3"])).schedulers == 3
