@@ -15,6 +15,7 @@ from gateway.errors import OpenAIError, from_grpc
 from gateway.schedulers import Replica, SchedulerPool
 from protos import common_pb2, scheduler_pb2
 from services.common.log import get_logger
+from services.common.streamed import Streamed
 from services.engine.tokenizer import Tokenizer, load_tokenizer
 
 log = get_logger(__name__)
@@ -35,6 +36,9 @@ class GatewayConfig:
     # A request that finds no scheduler reachable (restarting) waits this long for one, then
     # gets 503; /health says "not ready" at once.
     scheduler_wait_s: float = 15.0
+    # times a stream whose scheduler went away after it streamed tokens goes on through another
+    # (0: it fails with the scheduler's UNAVAILABLE)
+    migration_limit: int = 0
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -96,30 +100,46 @@ class Backend:
         """The scheduler's token stream; a gRPC error becomes an OpenAIError. Closing the
         iterator (a client that went away) cancels the request upstream.
 
-        A request whose connection to its scheduler drops before its first token (the
-        scheduler died or is restarting; the request died with it) is sent once more, to
-        another replica when one is connected. An UNAVAILABLE that the scheduler itself
-        answers is not retried: its connection is still up."""
-        req = scheduler_pb2.GenerateRequest(request_id=request_id or uuid.uuid4().hex,
-                                            prompt_token_ids=prompt_ids, sampling_params=params)  # fmt: skip
-        dropped = ""
-        for last_try in (False, True):
+        When the connection to the request's scheduler drops (the scheduler died or is
+        restarting; the request died with it), a request that had streamed nothing is sent once
+        more, and one that had streamed tokens goes on, up to ``migration_limit`` times, as the
+        prompt + the tokens sent with ``resumed`` saying so: to another replica when one is
+        connected. An UNAVAILABLE that the scheduler itself answers is not retried: its
+        connection is still up (and the scheduler has done its own retries)."""
+        rid = request_id or uuid.uuid4().hex
+        first = scheduler_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                              sampling_params=params)  # fmt: skip
+        req, sent, retried, dropped = first, Streamed(), False, ""
+        while True:
             replica = await self.schedulers.pick(avoid=dropped)
             call = replica.stub.Generate(req, timeout=self.config.request_timeout_s)
-            started = False
+            streamed = False
             try:
                 with replica.streaming():
                     async for chunk in call:
-                        started = True
+                        streamed = True
+                        sent.add(chunk)
+                        chunk.request_id = rid  # not a continuation's
                         yield chunk
                 return
             except grpc.aio.AioRpcError as e:
-                if not last_try and not started and replica.dropped(e):
-                    log.info("scheduler_connection_lost", request_id=req.request_id,
-                             scheduler=replica.address)  # fmt: skip
-                    dropped = replica.address
-                    continue
-                raise from_grpc(e.code(), e.details() or "") from e
+                if not replica.dropped(e):
+                    raise from_grpc(e.code(), e.details() or "") from e
+                if streamed and sent.moves < self.config.migration_limit:
+                    sent.moves += 1
+                    req = sent.rest(first)
+                    req.request_id = f"{rid}.g{sent.moves}"  # the old one may linger on a worker
+                elif not streamed and not retried:
+                    retried = True
+                else:
+                    why = (f"the scheduler at {replica.address} went away after "
+                           f"{len(sent.token_ids)} tokens of this request ({e.details()}); "
+                           "retry it")  # fmt: skip
+                    raise OpenAIError(503, why, "service_unavailable",
+                                      code="scheduler_unavailable") from e  # fmt: skip
+                log.info("scheduler_connection_lost", request_id=rid, scheduler=replica.address,
+                         generated=len(sent.token_ids), migration=sent.moves)  # fmt: skip
+                dropped = replica.address
             finally:
                 call.cancel()  # a no-op once the stream has ended
 

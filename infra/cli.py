@@ -99,7 +99,10 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if args.router_skew:
         worker += ["--router-skew", str(args.router_skew)]
     serve_args = {
-        "gateway": ["--model", args.model, "--api-key", args.api_key],
+        "gateway": [
+            *("--model", args.model, "--api-key", args.api_key),
+            *("--migration-limit", str(args.migration_limit)),
+        ],
         "scheduler": [
             *("--routing-policy", args.routing_policy),
             *("--migration-limit", str(args.migration_limit)),
@@ -175,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
     flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")
-    flags.add(up, "--migration-limit", 0, "the scheduler's --migration-limit")
+    flags.add(up, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
     flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")

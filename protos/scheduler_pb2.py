@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"r\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\"\x16\n\x14\x43lusterStatusRequest\"V\n\x0cWorkerStatus\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.ferry.v1.WorkerInfo\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.ferry.v1.LoadReport\"f\n\x12\x43lusterStatusReply\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.ferry.v1.WorkerStatus\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t2\xd0\x01\n\tScheduler\x12=\n\x08Generate\x12\x19.ferry.v1.GenerateRequest\x1a\x14.ferry.v1.TokenChunk0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReply\x12M\n\rClusterStatus\x12\x1e.ferry.v1.ClusterStatusRequest\x1a\x1c.ferry.v1.ClusterStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x13protos/common.proto\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x31\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12\"\n\x07resumed\x18\x04 \x01(\x0b\x32\x11.ferry.v1.Resumed\"\x16\n\x14\x43lusterStatusRequest\"V\n\x0cWorkerStatus\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x14.ferry.v1.WorkerInfo\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.ferry.v1.LoadReport\"f\n\x12\x43lusterStatusReply\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\'\n\x07workers\x18\x02 \x03(\x0b\x32\x16.ferry.v1.WorkerStatus\x12\x16\n\x0erouting_policy\x18\x03 \x01(\t2\xd0\x01\n\tScheduler\x12=\n\x08Generate\x12\x19.ferry.v1.GenerateRequest\x1a\x14.ferry.v1.TokenChunk0\x01\x12\x35\n\x05\x41\x62ort\x12\x16.ferry.v1.AbortRequest\x1a\x14.ferry.v1.AbortReply\x12M\n\rClusterStatus\x12\x1e.ferry.v1.ClusterStatusRequest\x1a\x1c.ferry.v1.ClusterStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=57
-  _globals['_GENERATEREQUEST']._serialized_end=171
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=173
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=195
-  _globals['_WORKERSTATUS']._serialized_start=197
-  _globals['_WORKERSTATUS']._serialized_end=283
-  _globals['_CLUSTERSTATUSREPLY']._serialized_start=285
-  _globals['_CLUSTERSTATUSREPLY']._serialized_end=387
-  _globals['_SCHEDULER']._serialized_start=390
-  _globals['_SCHEDULER']._serialized_end=598
+  _globals['_GENERATEREQUEST']._serialized_start=58
+  _globals['_GENERATEREQUEST']._serialized_end=208
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=210
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=232
+  _globals['_WORKERSTATUS']._serialized_start=234
+  _globals['_WORKERSTATUS']._serialized_end=320
+  _globals['_CLUSTERSTATUSREPLY']._serialized_start=322
+  _globals['_CLUSTERSTATUSREPLY']._serialized_end=424
+  _globals['_SCHEDULER']._serialized_start=427
+  _globals['_SCHEDULER']._serialized_end=635
 # @@protoc_insertion_point(module_scope)

@@ -188,6 +188,7 @@ class Result:
     code: grpc.StatusCode | None = None
     details: str = ""
     cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    usage: tuple[int, int] = (0, 0)  # the last chunk's prompt and completion tokens
 
 
 async def generate(
@@ -196,12 +197,13 @@ async def generate(
     params: common_pb2.SamplingParams,
     request_id: str = "",
     timeout: float = 60.0,
+    resumed: common_pb2.Resumed | None = None,
 ) -> Result:
     """One Generate call to completion or error (never raises an RPC error)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         req = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                            sampling_params=params)  # fmt: skip
+                                            sampling_params=params, resumed=resumed)  # fmt: skip
         res = Result([], 0, "")
         try:
             async for chunk in stub.Generate(req, timeout=timeout):
@@ -210,6 +212,7 @@ async def generate(
                 res.finish_reason = chunk.finish_reason
                 if chunk.HasField("usage"):
                     res.cached_tokens = chunk.usage.cached_tokens
+                    res.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
         except grpc.aio.AioRpcError as e:
             res.code, res.details = e.code(), e.details() or ""
         return res

@@ -51,6 +51,7 @@ from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
 from services.common.config import ServiceConfig
 from services.common.log import bind_request, get_logger
 from services.common.server import Service, abort_with
+from services.common.streamed import Streamed
 from services.common.worker import KV_ERROR_KEY
 from services.engine.kv_cache import prefix_hashes
 from services.scheduler import metrics
@@ -146,32 +147,35 @@ class Scheduler(Service):
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         route = await self._route_request(request, rid)
         started = time.perf_counter()
-        sent = _Sent()
-        part, resumed, worker_rid = request, None, rid
+        sent = Streamed.after(request)
+        resumed = request.resumed if request.HasField("resumed") else None
+        part, worker_rid = request, rid
         while True:
             try:
                 async for chunk in self._serve(part, worker_rid, route, resumed):
                     if not sent.token_ids:
                         metrics.TTFT.observe(time.perf_counter() - started)
                     sent.add(chunk)
+                    chunk.request_id = rid  # not a moved part's worker-side id
                     metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
                     if chunk.finish_reason:
                         if resumed is not None:  # usage of the whole request, not of this part
-                            _count_usage(chunk.usage, request, sent)
+                            sent.count_usage(chunk.usage, request)
                         metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
                         metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
                     yield chunk
                 return
             except Failed as f:
-                if not (sent.migrations < self.config.migration_limit and sent.token_ids
+                if not (sent.moves < self.config.migration_limit and sent.token_ids
                         and f.code in MIGRATABLE):  # fmt: skip
                     raise
-                sent.migrations += 1
+                sent.moves += 1
                 log.warning("migrating", reason=f.message, code=f.code.name,
-                            generated=len(sent.token_ids), migration=sent.migrations)  # fmt: skip
+                            generated=len(sent.token_ids), migration=sent.moves)  # fmt: skip
                 metrics.MIGRATIONS.inc()
-                part, resumed = _continuation(request, sent), sent.resumed()
-                worker_rid = f"{rid}.m{sent.migrations}"  # the old one may linger on a worker
+                part = sent.rest(request)
+                resumed = part.resumed
+                worker_rid = f"{rid}.m{sent.moves}"  # the old one may linger on a worker
                 route = await self._route_request(part, rid)
 
     async def _serve(
@@ -226,6 +230,10 @@ class Scheduler(Service):
         n = len(request.prompt_token_ids)
         if n == 0:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        k = request.resumed.num_output_tokens
+        if k >= n:
+            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"resumed.num_output_tokens is {k}; "
+                         f"it must be less than the {n} prompt tokens it is part of")  # fmt: skip
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
         except ValueError as e:
@@ -364,49 +372,6 @@ def _decode_request(
         kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
         resumed=resumed,
     )  # fmt: skip
-
-
-@dataclass
-class _Sent:
-    """What a request has streamed to its client so far, across its moves."""
-
-    token_ids: list[int] = field(default_factory=list)
-    num_chars: int = 0
-    migrations: int = 0
-
-    def add(self, chunk: common_pb2.TokenChunk) -> None:
-        self.token_ids.extend(chunk.token_ids)
-        self.num_chars += len(chunk.text)
-
-    def resumed(self) -> common_pb2.Resumed:
-        return common_pb2.Resumed(num_output_tokens=len(self.token_ids),
-                                  num_emitted_chars=self.num_chars)  # fmt: skip
-
-
-def _continuation(
-    request: scheduler_pb2.GenerateRequest, sent: _Sent
-) -> scheduler_pb2.GenerateRequest:
-    """The rest of ``request`` after what was sent: those tokens appended to the prompt, and
-    max_tokens / min_tokens lowered by their number."""
-    k = len(sent.token_ids)
-    params = common_pb2.SamplingParams()
-    params.CopyFrom(request.sampling_params)
-    if params.HasField("max_tokens"):
-        params.max_tokens -= k  # >= 1: the request would have ended otherwise
-    params.min_tokens = max(0, params.min_tokens - k)
-    return scheduler_pb2.GenerateRequest(
-        request_id=request.request_id, sampling_params=params,
-        prompt_token_ids=[*request.prompt_token_ids, *sent.token_ids],
-    )  # fmt: skip
-
-
-def _count_usage(
-    usage: common_pb2.Usage, request: scheduler_pb2.GenerateRequest, sent: _Sent
-) -> None:
-    """A moved request's last chunk reports its last part; the client wants the whole."""
-    n = len(request.prompt_token_ids)
-    usage.prompt_tokens, usage.completion_tokens = n, len(sent.token_ids)
-    usage.cached_tokens = min(usage.cached_tokens, n)
 
 
 def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:

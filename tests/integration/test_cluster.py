@@ -27,6 +27,7 @@ import grpc
 import pytest
 
 from infra.ports import free_port
+from protos import common_pb2
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint
@@ -179,6 +180,25 @@ def test_invalid_requests_are_refused_and_allocate_nothing(
     assert cluster_a.all_blocks_free()
 
 
+def test_a_resumed_request_goes_on_and_counts_the_whole_request(cluster_a: Cluster) -> None:
+    """GenerateRequest.resumed (the gateway's migration): the prompt ends with 3 tokens the
+    client already has; the rest of the greedy output follows, and usage counts all of it."""
+    prompt = prompts(1)[0]
+    (ref,) = run(generate(cluster_a.scheduler, prompt, greedy(10, ignore_eos=True)))
+    assert ref.usage == (len(prompt), 10)
+    resumed = common_pb2.Resumed(num_output_tokens=3)
+    (rest,) = run(generate(cluster_a.scheduler, [*prompt, *ref.token_ids[:3]],
+                           greedy(7, ignore_eos=True), resumed=resumed))  # fmt: skip
+    assert rest.code is None, rest.details
+    assert rest.token_ids == ref.token_ids[3:]
+    assert rest.usage == (len(prompt), 10)
+    (bad,) = run(generate(cluster_a.scheduler, [1, 2, 3], greedy(4),
+                          resumed=common_pb2.Resumed(num_output_tokens=3)))  # fmt: skip
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must be less than the 3 prompt tokens" in bad.details
+    cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 5)
+
+
 def test_services_re_register_after_a_redis_restart(cluster_a: Cluster, redis: RedisServer) -> None:
     redis.restart()
     took = cluster_a.wait_for("re-registered", lambda: len(cluster_a.views()) == 4, 5)
@@ -280,9 +300,11 @@ def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             sent_at = time.time()
             call = stub.Generate(scheduler_pb2.GenerateRequest(
-                prompt_token_ids=prompt, sampling_params=greedy(n, ignore_eos=True)), timeout=60)  # fmt: skip
+                request_id="moved", prompt_token_ids=prompt,
+                sampling_params=greedy(n, ignore_eos=True)), timeout=60)  # fmt: skip
             tokens, text, finish, killed_after, busy = [], "", "", 0, ""
             async for chunk in call:
+                assert chunk.request_id == "moved"  # not the moved part's worker-side id
                 tokens += chunk.token_ids
                 text += chunk.text
                 finish = chunk.finish_reason

@@ -37,7 +37,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(checkpoint: Path) -> Iterator[Cluster]:
     with redis_server() as redis, ferry_up(redis.url, "--model", str(checkpoint),
                                            "--num-kv-blocks", "256", "--schedulers", "2",
-                                           "--worker-args", WORKER_ARGS, cluster="gw") as c:  # fmt: skip
+                                           "--migration-limit", "1", "--worker-args",
+                                           WORKER_ARGS, cluster="gw") as c:  # fmt: skip
         yield c
 
 
@@ -274,6 +275,35 @@ def test_requests_take_turns_on_the_scheduler_replicas(
     for i in range(6):
         client.completions.create(model=model_of(checkpoint), prompt=f"turn {i}", max_tokens=2)
     assert [cluster.metric(n, ok) - b for n, b in zip(names, before, strict=True)] == [3, 3]
+
+
+def test_a_stream_whose_scheduler_dies_goes_on_through_the_other_replica(
+    cluster: Cluster, client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """kill -9 of the scheduler replica streaming a greedy request (--migration-limit 1): the
+    gateway sends the prompt + the tokens sent to the other replica, and the client gets the
+    same text and usage as an undisturbed run."""
+    kw = {"model": model_of(checkpoint), "prompt": "Carry me across the water", "max_tokens": 600,
+          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw)  # type: ignore[call-overload]
+    chunks, victim = [], ""
+    stream = client.completions.create(stream=True, stream_options={"include_usage": True},
+                                       **kw)  # type: ignore[call-overload]  # fmt: skip
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            running = "ferry_scheduler_running_requests"
+            (victim,) = [n for n in ("scheduler-0", "scheduler-1") if cluster.metric(n, running)]
+            cluster.signal(victim, signal.SIGKILL)
+    try:
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text, cluster.log_tail()
+        usage = chunks[-1].usage
+        assert usage is not None and whole.usage is not None
+        assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 600)
+        assert cluster.logged('"event": "scheduler_connection_lost"')
+    finally:
+        cluster.restarted(victim, 60)  # `ferry up` starts it again, for the tests after this one
 
 
 def test_a_gateway_with_a_dead_scheduler_replica_serves_through_the_live_one(
