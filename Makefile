@@ -62,6 +62,7 @@ bench-ucx-wedge: setup
 # A decode worker killed under 8 streaming requests (--migration-limit 1): stalls, outputs (~1 min)
 bench-migration: setup
 	$(PY) loadtest/bench_migration.py $(BENCH_ARGS)
+	$(PY) loadtest/bench_migration.py --kill scheduler --out loadtest/results/migration_scheduler.json $(BENCH_ARGS)
 
 # 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
 bench-services: setup

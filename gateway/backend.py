@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway import metrics
 from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
 from gateway.schedulers import Replica, SchedulerPool
@@ -127,6 +128,7 @@ class Backend:
                     raise from_grpc(e.code(), e.details() or "") from e
                 if streamed and sent.moves < self.config.migration_limit:
                     sent.moves += 1
+                    metrics.MIGRATIONS.inc()
                     req = sent.rest(first)
                     req.request_id = f"{rid}.g{sent.moves}"  # the old one may linger on a worker
                 elif not streamed and not retried:

@@ -14,5 +14,9 @@ TTFT = Histogram("ferry_gateway_time_to_first_token_seconds", "request received 
                  buckets=_LATENCY)  # fmt: skip
 ITL = Histogram("ferry_gateway_inter_token_latency_seconds", "gap between a choice's tokens",
                 buckets=_LATENCY)  # fmt: skip
+MIGRATIONS = Counter(
+    "ferry_gateway_migrations_total",
+    "Streams that went on through another scheduler after theirs went away mid-stream",
+)  # fmt: skip
 E2E = Histogram("ferry_gateway_e2e_latency_seconds", "request received → last token",
                 buckets=_LATENCY)  # fmt: skip

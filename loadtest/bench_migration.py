@@ -1,17 +1,21 @@
 """What a request migration costs the client: concurrent greedy requests through a `ferry up`
 cluster (1 prefill, 2 decode, --migration-limit 1), once undisturbed and once with one decode
-worker killed (-9) mid-stream, on the same prompts, side by side in each trial.
+worker killed (-9) mid-stream, on the same prompts, side by side in each trial. With
+``--kill scheduler`` the cluster has two scheduler replicas behind the gateway, the requests
+go through the gateway's gRPC API, and one scheduler is killed instead: its streams move
+through the other (the gateway's migration).
 
 Per request it records the gap from the first token (the prefill worker's) to the next chunk
 (the hand-off to a decode worker), the longest gap after that (the stall a client sees) and the
 tokens. The killed round must give every request all its tokens, equal to the undisturbed
 round's (greedy); its longest stalls are those of the requests that moved (as many as the
-scheduler's ``ferry_scheduler_migrations_total`` grew): a second hand-off (prefill again with
-what was generated, KV to the other decode worker), set against the undisturbed hand-off and
-stalls.
-Between trials the killed worker is restarted by the launcher (its restart policy).
+scheduler's ``ferry_scheduler_migrations_total``, or the gateway's
+``ferry_gateway_migrations_total``, grew): a second hand-off (prefill again with what was
+generated, KV to a decode worker), set against the undisturbed hand-off and stalls.
+Between trials the killed service is restarted by the launcher (its restart policy).
 
     python loadtest/bench_migration.py                  # tiny model, 3 trials of 8 requests
+    python loadtest/bench_migration.py --kill scheduler --out loadtest/results/migration_scheduler.json
 """
 
 from __future__ import annotations
@@ -35,13 +39,19 @@ import torch
 
 from infra.launcher import ClusterSpec, Launcher
 from infra.ports import free_port
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, ferry_pb2, ferry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+Stub = scheduler_pb2_grpc.SchedulerStub | ferry_pb2_grpc.FerryStub
 
 
-async def _one(stub: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], n: int,
-               progress: list[int], i: int) -> dict[str, object]:  # fmt: skip
+async def _one(stub: Stub, prompt: list[int], n: int, progress: list[int],
+               i: int) -> dict[str, object]:  # fmt: skip
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+    req: object = (  # the scheduler's API, or the gateway's
+        scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+        if isinstance(stub, scheduler_pb2_grpc.SchedulerStub)
+        else ferry_pb2.TextGenerateRequest(prompt_token_ids=prompt, sampling_params=params)
+    )
     tokens: list[int] = []
     gaps: list[float] = []  # between chunks; the first is the prefill -> decode hand-off
     last, error = time.perf_counter(), ""
@@ -59,13 +69,14 @@ async def _one(stub: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], n: int
             "max_gap_s": max(gaps[1:], default=0.0), "error": error}  # fmt: skip
 
 
-async def _round(address: str, prompts: list[list[int]], n: int, kill: int = 0,
+async def _round(address: str, gateway: bool, prompts: list[list[int]], n: int, kill: int = 0,
                  victim: Launcher | None = None, name: str = "") -> tuple[list[dict[str, object]], float]:  # fmt: skip
-    """All ``prompts`` at once; with ``kill``, SIGKILL worker ``name`` once every request has
+    """All ``prompts`` at once; with ``kill``, SIGKILL service ``name`` once every request has
     ``kill`` tokens."""
     progress = [0] * len(prompts)
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stub: Stub = (ferry_pb2_grpc.FerryStub(channel) if gateway
+                      else scheduler_pb2_grpc.SchedulerStub(channel))  # fmt: skip
         t = time.perf_counter()
         tasks = [asyncio.create_task(_one(stub, p, n, progress, i)) for i, p in enumerate(prompts)]
         if kill and victim is not None:
@@ -77,11 +88,14 @@ async def _round(address: str, prompts: list[list[int]], n: int, kill: int = 0,
         return list(results), time.perf_counter() - t
 
 
-def _migrations(launcher: Launcher) -> float:
-    (sched,) = [c for c in launcher.children if c.role == "scheduler"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{sched.metrics_port}/metrics", timeout=5) as r:
+def _migrations(launcher: Launcher, by: str) -> float:
+    """ferry_{by}_migrations_total of the scheduler, or of the gateway (its /metrics is on its
+    HTTP port)."""
+    (child,) = [c for c in launcher.children if c.role == by]
+    port = child.metrics_port if by == "scheduler" else launcher.spec.gateway_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    m = re.search(r"^ferry_scheduler_migrations_total ([0-9.e+]+)$", text, re.M)
+    m = re.search(rf"^ferry_{by}_migrations_total ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
@@ -115,30 +129,36 @@ def main() -> None:
     p.add_argument("--kill-after", type=int, default=32, help="tokens every request has first")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kill", choices=["decode", "scheduler"], default="decode",
+                   help="a decode worker (the scheduler moves its requests) or one of two "
+                        "scheduler replicas (the gateway moves its requests)")  # fmt: skip
     p.add_argument("--out", default="loadtest/results/migration.json")
     args = p.parse_args()
     worker = ["--model", args.model, "--block-size", "16", "--log-level", "warning"]
-    spec = ClusterSpec(prefill=1, decode=2, scheduler_port=free_port(), gateway_port=0,
-                       cluster="bench-migration",
-                       serve_args={"prefill": worker, "decode": worker,
-                                   "scheduler": ["--migration-limit", "1",
-                                                 "--log-level", "warning"]})  # fmt: skip
+    moves = ["--migration-limit", "1", "--log-level", "warning"]
+    by_gateway = args.kill == "scheduler"
+    spec = ClusterSpec(prefill=1, decode=2, schedulers=2 if by_gateway else 1,
+                       scheduler_port=free_port(), cluster="bench-migration",
+                       gateway_port=free_port() if by_gateway else 0, grpc_port=free_port(),
+                       serve_args={"prefill": worker, "decode": worker, "scheduler": moves,
+                                   "gateway": ["--model", args.model, *moves]})  # fmt: skip
     launcher = Launcher(spec)
     launcher.start()
-    threading.Thread(target=launcher.wait, daemon=True).start()  # restarts the killed worker
-    address = f"{spec.host}:{spec.scheduler_port}"
+    threading.Thread(target=launcher.wait, daemon=True).start()  # restarts the killed service
+    address = f"{spec.host}:{spec.grpc_port if by_gateway else spec.scheduler_port}"
+    mover = "gateway" if by_gateway else "scheduler"
     gen = torch.Generator().manual_seed(args.seed)
     trials = []
     try:
         for t in range(args.trials):
             prompts = [torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
                        for _ in range(args.requests)]  # fmt: skip
-            calm, calm_s = asyncio.run(_round(address, prompts, args.output_len))
-            before = _migrations(launcher)
-            victim = f"decode-{t % 2}"
-            hit, hit_s = asyncio.run(_round(address, prompts, args.output_len, args.kill_after,
-                                            launcher, victim))  # fmt: skip
-            moved = int(_migrations(launcher) - before)
+            calm, calm_s = asyncio.run(_round(address, by_gateway, prompts, args.output_len))
+            before = _migrations(launcher, mover)
+            victim = f"{args.kill}-{t % 2}"
+            hit, hit_s = asyncio.run(_round(address, by_gateway, prompts, args.output_len,
+                                            args.kill_after, launcher, victim))  # fmt: skip
+            moved = int(_migrations(launcher, mover) - before)
             gaps = sorted((float(r["max_gap_s"]) for r in hit), reverse=True)  # type: ignore[arg-type]
             calm_gaps = [float(r["max_gap_s"]) for r in calm]  # type: ignore[arg-type]
             handoffs = [float(r["handoff_s"]) for r in calm]  # type: ignore[arg-type]
@@ -176,7 +196,10 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
         "workload": {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "kill_after_tokens": args.kill_after,
-                     "greedy": True, "cluster": "1 prefill + 2 decode, ucx, --migration-limit 1"},
+                     "greedy": True, "killed": args.kill,
+                     "cluster": "1 prefill + 2 decode, ucx, --migration-limit 1"
+                                + (", 2 schedulers, requests through the gateway's gRPC API"
+                                   if by_gateway else "")},
         "moved_requests": len(moved_gaps),
         "moved_stall_median_s": statistics.median(moved_gaps) if moved_gaps else None,
         "undisturbed_handoff_median_s": statistics.median(

@@ -302,6 +302,8 @@ def test_a_stream_whose_scheduler_dies_goes_on_through_the_other_replica(
         assert usage is not None and whole.usage is not None
         assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 600)
         assert cluster.logged('"event": "scheduler_connection_lost"')
+        with urllib.request.urlopen(cluster.gateway + "/metrics", timeout=5) as r:
+            assert "ferry_gateway_migrations_total 1.0" in r.read().decode()
     finally:
         cluster.restarted(victim, 60)  # `ferry up` starts it again, for the tests after this one
 
