@@ -2,7 +2,9 @@
 
 It reads the registry and load reports from Redis every ``refresh_s`` (never per token), adds
 what this scheduler has routed since each report, and keeps a short list of workers whose calls
-just failed (suspects) so that retries avoid them until their heartbeat key has expired. When
+just failed (suspects) so that retries avoid them until their heartbeat key has expired. A call
+in flight can ``watch`` its worker: the event is set when that worker process leaves the
+registry (its heartbeat key expired: hung, or its host gone without closing the connection). When
 Redis restarts (its run id changes) the registry is empty until the next heartbeats; for one
 TTL the view keeps the workers it knew, so a Redis restart is not an outage. Its PrefixIndex
 (fed from the workers' KV events by :func:`prefix_index.follow`) tells how much of a prompt each
@@ -18,7 +20,13 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from services.common.cluster_state import ClusterState, ClusterStateError, LoadReport, WorkerView
+from services.common.cluster_state import (
+    ClusterState,
+    ClusterStateError,
+    LoadReport,
+    WorkerRecord,
+    WorkerView,
+)
 from services.common.log import get_logger
 from services.scheduler.policies import Candidate
 from services.scheduler.prefix_index import PrefixIndex
@@ -45,6 +53,7 @@ class ClusterView:
         self._redis_down = False
         self._server_id = ""
         self._restarted_at = -float("inf")
+        self._watched: dict[tuple[str, int, float], tuple[asyncio.Event, int]] = {}
         self.prefix = PrefixIndex()
 
     async def refresh(self) -> None:
@@ -60,6 +69,7 @@ class ClusterView:
                 views = _merge(views, self._views)
             self._views = views
             self.prefix.retain({v.record.worker_id for v in views})
+            self._mark_gone({_process(v.record) for v in views})
             if self._redis_down:
                 log.info("cluster state reachable again")
             self._redis_down = False
@@ -106,6 +116,29 @@ class ClusterView:
         finally:
             entries.pop(key, None)
 
+    @contextmanager
+    def watch(self, record: WorkerRecord) -> Iterator[asyncio.Event]:
+        """An event set if ``record``'s process leaves the registry while the block runs (its
+        heartbeat key expired, or another process registered under its id)."""
+        key = _process(record)
+        event, users = self._watched.get(key, (asyncio.Event(), 0))
+        self._watched[key] = (event, users + 1)
+        try:
+            yield event
+        finally:
+            event, users = self._watched[key]
+            if users > 1:
+                self._watched[key] = (event, users - 1)
+            else:
+                del self._watched[key]
+
+    def _mark_gone(self, live: set[tuple[str, int, float]]) -> None:
+        for key, (event, _) in self._watched.items():
+            if key not in live and not event.is_set():
+                log.warning("worker_gone", worker_id=key[0], pid=key[1],
+                            why="its heartbeat key expired or another process took its id")  # fmt: skip
+                event.set()
+
     def suspect(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed as if it were down: avoid it for a while."""
         self._suspects[worker_id] = time.monotonic()
@@ -116,6 +149,10 @@ class ClusterView:
         lens = [v.record.max_model_len for v in self.workers()
                 if v.record.role in ("prefill", "aggregated") and v.record.max_model_len]  # fmt: skip
         return min(lens, default=0)
+
+
+def _process(record: WorkerRecord) -> tuple[str, int, float]:
+    return record.worker_id, record.pid, record.started_at
 
 
 def _merge(fresh: list[WorkerView], known: list[WorkerView]) -> list[WorkerView]:

@@ -31,7 +31,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -276,9 +276,16 @@ class Scheduler(Service):
         for attempt in range(self.config.max_attempts):
             cand = await self._pick("prefill", tried, route)
             stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
+            call = stub.Prefill(msg)
             try:
-                with self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens):
-                    return await stub.Prefill(msg), cand.record
+                with (self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
+                      self._cut_if_gone(cand.record, call) as gone):  # fmt: skip
+                    try:
+                        return await call, cand.record
+                    except asyncio.CancelledError:
+                        if not _was_cut(gone):
+                            raise
+                        raise _gone_error("prefill", cand.worker_id) from None
             except grpc.aio.AioRpcError as e:
                 tried[cand.worker_id] = await self._after_failure(
                     "prefill", cand, e, attempt, False
@@ -299,15 +306,38 @@ class Scheduler(Service):
             call = stub.Decode(msg)
             streamed = False
             try:
-                with self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1):
-                    async for chunk in call:
-                        streamed = True
-                        yield chunk
+                with (self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1),
+                      self._cut_if_gone(cand.record, call) as gone):  # fmt: skip
+                    try:
+                        async for chunk in call:
+                            streamed = True
+                            yield chunk
+                    except asyncio.CancelledError:
+                        if not _was_cut(gone):
+                            raise
+                        raise _gone_error(role, cand.worker_id) from None
                 return
             except grpc.aio.AioRpcError as e:
                 tried[cand.worker_id] = await self._after_failure(role, cand, e, attempt, streamed)
             finally:
                 call.cancel()  # a no-op when the stream has ended
+
+    @contextlib.contextmanager
+    def _cut_if_gone(self, worker: WorkerRecord, call: grpc.aio.Call) -> Iterator[asyncio.Event]:
+        """Cancel ``call`` if ``worker`` leaves the registry meanwhile: a worker that hangs, or
+        whose host is gone without closing the connection, would otherwise keep the request
+        waiting for as long as it may run. The event says it was cut (see _was_cut)."""
+        with self.view.watch(worker) as gone:
+
+            async def cut() -> None:
+                await gone.wait()
+                call.cancel()
+
+            cutter = asyncio.create_task(cut())
+            try:
+                yield gone
+            finally:
+                cutter.cancel()
 
     async def _pick(self, role: str, tried: dict[str, Failed], route: RouteRequest) -> Candidate:
         hashes = route.block_hashes if role != "decode" else ()
@@ -357,6 +387,20 @@ class Scheduler(Service):
         for view in self.view.workers():
             reply.workers.append(_worker_status(view))
         return reply
+
+
+def _was_cut(gone: asyncio.Event) -> bool:
+    """A CancelledError came from _cut_if_gone, not from this task being cancelled."""
+    task = asyncio.current_task()
+    return gone.is_set() and not (task is not None and task.cancelling())
+
+
+def _gone_error(stage: str, worker_id: str) -> grpc.aio.AioRpcError:
+    """A call cut under _cut_if_gone fails UNAVAILABLE, as if its connection had dropped: it
+    is retried, or moved, like one."""
+    why = f"{stage} worker {worker_id} left the registry (no heartbeat) while serving this call"
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(), details=why)  # fmt: skip
 
 
 def _decode_request(

@@ -285,15 +285,19 @@ def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster)
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
 
 
-def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
-    cluster_a: Cluster, checkpoint: Path
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
+    cluster_a: Cluster, checkpoint: Path, how: signal.Signals
 ) -> None:
-    """--migration-limit 1: kill -9 of the decode worker that is streaming a greedy request. The
-    request goes on from where it was (prefilled again with what it had generated, decoded on
-    the other worker); the client gets the tokens and the text of a request that never moved."""
+    """--migration-limit 1: kill -9 of the decode worker that is streaming a greedy request, or
+    SIGSTOP (its connection stays open and says nothing, but its heartbeat key expires, and
+    the scheduler cuts the call). The request goes on from where it was (prefilled again with
+    what it had generated, decoded on the other worker); the client gets the tokens and the
+    text of a request that never moved."""
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     prompt, n = prompts(2)[1], 900
+    stopped: list[str] = []
 
     async def main() -> tuple[list[int], str, str, int, str]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
@@ -310,7 +314,9 @@ def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
                 finish = chunk.finish_reason
                 if not killed_after and len(tokens) >= 20:
                     busy = await asyncio.to_thread(_streaming_decode_worker, cluster_a, sent_at)
-                    cluster_a.signal(busy, signal.SIGKILL)
+                    cluster_a.signal(busy, how)
+                    if how is signal.SIGSTOP:
+                        stopped.append(busy)
                     killed_after = len(tokens)
             return tokens, text, finish, killed_after, busy
 
@@ -319,13 +325,20 @@ def test_a_request_whose_decode_worker_dies_mid_stream_moves_on(
     except BaseException:
         print(cluster_a.log_tail())  # which workers the scheduler tried, and why they failed
         raise
+    finally:
+        for worker in stopped:
+            cluster_a.signal(worker, signal.SIGCONT)
     assert killed_after < n - 100, killed_after  # it was killed mid-stream
     engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
                                  num_kv_blocks=NUM_BLOCKS))  # fmt: skip
     (ref,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert (tokens, text, finish) == (ref.token_ids, ref.text, "length")
     assert cluster_a.logged('"event": "migrating"')
-    cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
+    if how is signal.SIGKILL:
+        cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
+    else:  # woken, it learns the call was cancelled and frees the request's blocks
+        assert cluster_a.logged('"event": "worker_gone"')
+        cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 10)
 
 
 def _streaming_decode_worker(cluster: Cluster, since: float) -> str:
