@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.backend import Backend
 from gateway.errors import OpenAIError
 from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
+from services.common.channels import ACCEPT_PINGS
 
 SERVICE_NAME = "ferry.v1.Ferry"
 
@@ -59,7 +60,7 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
 
 async def start_grpc(backend: Backend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """The Ferry service, health and reflection on ``host:port`` (0: any free port)."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=ACCEPT_PINGS)  # clients may use keepalive as ours do
     ferry_pb2_grpc.add_FerryServicer_to_server(FerryServicer(backend), server)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)

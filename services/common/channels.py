@@ -4,6 +4,13 @@ A peer that dies is restarted in seconds on the same address (`ferry up`, a k8s 
 off reconnecting to an address that refused it, up to two minutes, and fails every call at once
 meanwhile; so our channels retry every 0.25-1 s, and a pool gives a restarted peer process a
 channel of its own.
+
+A peer that hangs (stopped, deadlocked, or its host gone without closing the connection) fails
+no call and sends nothing: its calls would wait as long as they may run. Both ends of our
+connections ping (HTTP/2 keepalive); one that is not answered within KEEPALIVE_TIMEOUT_MS closes
+the connection, and its calls fail UNAVAILABLE, to be retried or moved as after a crash (a
+server's calls are cancelled, so a worker frees the request's KV blocks). SERVER_OPTIONS make a
+server ping its clients and accept their pings.
 """
 
 from __future__ import annotations
@@ -14,7 +21,27 @@ from collections.abc import Hashable
 
 import grpc
 
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 3000, 3000
+_PINGS = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # grpcio 1.85 waits this long for the ack (default a minute), not keepalive_timeout: by
+    # hand, a stream from a SIGSTOPped server failed after 63 s without it, 5-6 s with it
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),  # an idle peer that hangs is found too
+    ("grpc.http2.max_pings_without_data", 0),  # a hung peer sends no data: keep pinging
+]
+# what a server accepts: pings as often as ours, with or without calls (gRPC's default policy
+# answers a client pinging more than every 5 minutes with GOAWAY "too_many_pings")
+ACCEPT_PINGS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+SERVER_OPTIONS = [*_PINGS, *ACCEPT_PINGS]
+
 OPTIONS = [
+    *_PINGS,
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
     # gRPC shares connections (subchannels) among a process's channels to one address, back-off

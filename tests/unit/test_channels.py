@@ -6,6 +6,10 @@ restarted peer then failed at once, in the old one's reconnect back-off."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -64,3 +68,49 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
             await server.stop(None)
 
     asyncio.run(main())
+
+
+_SERVER = """
+import asyncio, sys
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from services.common.channels import SERVER_OPTIONS
+
+async def main():
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+    await server.start()
+    print("serving", flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def test_a_stream_from_a_peer_that_hangs_fails_unavailable() -> None:
+    """A server process stopped (SIGSTOP) mid-stream sends nothing and closes nothing; our
+    channels' keepalive pings go unanswered and the stream fails UNAVAILABLE (5-6 s by hand;
+    a minute with gRPC's default ping timeout, hence the bound)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+
+    async def main() -> grpc.StatusCode:
+        async with channels.open_channel(f"127.0.0.1:{port}") as channel:
+            call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            await call.read()  # streaming
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(call.read(), 30)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            raise AssertionError("the stream went on")
+
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "serving\n"
+        assert asyncio.run(main()) is grpc.StatusCode.UNAVAILABLE
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()
