@@ -217,8 +217,8 @@ class Scheduler(Service):
             return
         decode = _decode_request(request, rid, result, resumed)
         first.ClearField("usage")  # clients get usage on the last chunk only
-        yield first
-        try:
+        try:  # a client gone right after the first token must release the lease too
+            yield first
             async for chunk in self._stream("decode", decode, route):
                 yield chunk
         finally:  # a no-op once a decode worker pulled it; frees it when none did
