@@ -8,24 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infra.ports import free_port
 from services.common import channels
 from services.common.channels import ChannelPool
-
-
-async def _serve(port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server
+from tests.grpc_peer import serve, serve_in_process
 
 
 async def _check(channel: grpc.aio.Channel) -> grpc.StatusCode:
@@ -47,7 +38,7 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
         port = free_port()
         address = f"127.0.0.1:{port}"
         pool = ChannelPool()
-        server = await _serve(port)
+        server = await serve(port)
         try:
             first = pool.get(address, ("pid", 1))
             assert pool.get(address, ("pid", 1)) is first
@@ -56,7 +47,7 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
             for _ in range(4):  # refused: gRPC backs off its reconnects, failing calls at once
                 assert await _check(first) is grpc.StatusCode.UNAVAILABLE
                 await asyncio.sleep(0.3)
-            server = await _serve(port)
+            server = await serve(port)
             second = pool.get(address, ("pid", 2))  # the registry shows a new process
             assert second is not first and len(pool) == 1
             assert await _check(second) is grpc.StatusCode.OK
@@ -70,31 +61,12 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
     asyncio.run(main())
 
 
-_SERVER = """
-import asyncio, sys
-import grpc
-from grpc_health.v1 import health, health_pb2_grpc
-from services.common.channels import SERVER_OPTIONS
-
-async def main():
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
-    await server.start()
-    print("serving", flush=True)
-    await server.wait_for_termination()
-
-asyncio.run(main())
-"""
-
-
 def test_a_stream_from_a_peer_that_hangs_fails_unavailable() -> None:
     """A server process stopped (SIGSTOP) mid-stream sends nothing and closes nothing; our
     channels' keepalive pings go unanswered and the stream fails UNAVAILABLE (5-6 s by hand;
     a minute with gRPC's default ping timeout, hence the bound)."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    server = serve_in_process(port)
 
     async def main() -> grpc.StatusCode:
         async with channels.open_channel(f"127.0.0.1:{port}") as channel:
@@ -108,7 +80,6 @@ def test_a_stream_from_a_peer_that_hangs_fails_unavailable() -> None:
             raise AssertionError("the stream went on")
 
     try:
-        assert server.stdout is not None and server.stdout.readline() == "serving\n"
         assert asyncio.run(main()) is grpc.StatusCode.UNAVAILABLE
     finally:
         os.kill(server.pid, signal.SIGCONT)

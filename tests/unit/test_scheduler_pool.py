@@ -9,19 +9,11 @@ from collections import Counter
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from gateway.errors import OpenAIError
 from gateway.schedulers import SchedulerPool
 from infra.ports import free_port
-
-
-async def _serve(port: int) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server
+from tests.grpc_peer import serve
 
 
 async def _connected(pool: SchedulerPool, n: int) -> None:
@@ -35,7 +27,7 @@ async def _connected(pool: SchedulerPool, n: int) -> None:
 def test_requests_go_to_the_least_busy_live_replica_in_turn() -> None:
     async def main() -> None:
         ports = [free_port(), free_port()]
-        servers = [await _serve(p) for p in ports]
+        servers = [await serve(p) for p in ports]
         a, b = (f"127.0.0.1:{p}" for p in ports)
         pool = SchedulerPool([a, b, a], wait_s=5)  # a repeated address is one replica
         try:
@@ -68,7 +60,7 @@ def test_with_none_up_a_request_waits_for_the_first_that_starts() -> None:
             picked = asyncio.create_task(pool.pick())
             await asyncio.sleep(0.5)
             assert not picked.done()
-            servers.append(await _serve(ports[1]))
+            servers.append(await serve(ports[1]))
             assert (await picked).address == f"127.0.0.1:{ports[1]}"
         finally:
             await pool.close()
