@@ -73,6 +73,11 @@ class WorkerRecord:
     pid: int = 0
     started_at: float = 0.0  # time.time()
 
+    @property
+    def process(self) -> tuple[str, int, float]:
+        """Which process this is: another one registered under the same id (restarted) differs."""
+        return self.worker_id, self.pid, self.started_at
+
 
 @dataclass(frozen=True)
 class ExpertLoadReport:

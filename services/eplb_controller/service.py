@@ -90,7 +90,7 @@ class EplbController(Service):
         self._rebalances: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._channels = ChannelPool()
-        self._incarnations: dict[str, tuple[tuple[int, int, float], ...]] = {}
+        self._incarnations: dict[str, tuple[tuple[int, tuple[str, int, float]], ...]] = {}
         self._last_seen: dict[str, float] = {}  # group -> monotonic time it was registered
         self._watch: asyncio.Task[None] | None = None
 
@@ -143,7 +143,7 @@ class EplbController(Service):
     def _track(self, group: Group) -> None:
         """A group whose ranks are new processes (restarted under the same name) counts its
         steps and rows from zero again: its history starts over."""
-        now = tuple(sorted((r, rec.pid, rec.started_at) for r, rec in group.ranks.items()))
+        now = tuple(sorted((r, rec.process) for r, rec in group.ranks.items()))
         if self._incarnations.get(group.name, now) != now:
             log.info("group restarted; its history starts over", group=group.name)
             self._windows.pop(group.name, None)
@@ -266,7 +266,7 @@ class EplbController(Service):
         return list(results)  # type: ignore[arg-type]
 
     def _stub(self, rec: WorkerRecord) -> eplb_pb2_grpc.ExpertPlacementStub:
-        channel = self._channels.get(rec.address, (rec.pid, rec.started_at))
+        channel = self._channels.get(rec.address, rec.process)
         return eplb_pb2_grpc.ExpertPlacementStub(channel)
 
     async def status(self, group: Group) -> eplb_pb2.GroupState:

@@ -69,7 +69,7 @@ class ClusterView:
                 views = _merge(views, self._views)
             self._views = views
             self.prefix.retain({v.record.worker_id for v in views})
-            self._mark_gone({_process(v.record) for v in views})
+            self._mark_gone({v.record.process for v in views})
             if self._redis_down:
                 log.info("cluster state reachable again")
             self._redis_down = False
@@ -120,7 +120,7 @@ class ClusterView:
     def watch(self, record: WorkerRecord) -> Iterator[asyncio.Event]:
         """An event set if ``record``'s process leaves the registry while the block runs (its
         heartbeat key expired, or another process registered under its id)."""
-        key = _process(record)
+        key = record.process
         event, users = self._watched.get(key, (asyncio.Event(), 0))
         self._watched[key] = (event, users + 1)
         try:
@@ -149,10 +149,6 @@ class ClusterView:
         lens = [v.record.max_model_len for v in self.workers()
                 if v.record.role in ("prefill", "aggregated") and v.record.max_model_len]  # fmt: skip
         return min(lens, default=0)
-
-
-def _process(record: WorkerRecord) -> tuple[str, int, float]:
-    return record.worker_id, record.pid, record.started_at
 
 
 def _merge(fresh: list[WorkerView], known: list[WorkerView]) -> list[WorkerView]:

@@ -139,7 +139,7 @@ class Scheduler(Service):
         await self.cluster.close()
 
     def channel(self, worker: WorkerRecord) -> grpc.aio.Channel:
-        return self._channels.get(worker.address, (worker.pid, worker.started_at))
+        return self._channels.get(worker.address, worker.process)
 
     # ---- one request ----------------------------------------------------------------------
     async def generate(
