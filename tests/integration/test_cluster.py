@@ -337,7 +337,8 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
     if how is signal.SIGKILL:
         cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
     else:  # woken, it learns the call was cancelled and frees the request's blocks
-        assert cluster_a.logged('"event": "worker_gone"')
+        # found by whichever comes first: its registry key expiring (the scheduler logs
+        # worker_gone and cuts the call) or the connection's keepalive (both ~3 s after the stop)
         cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 10)
 
 
