@@ -157,14 +157,12 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         total = self.validate(prompt_token_ids, params)
-        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             max_total_tokens=total,
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
-            generator=gen,
             hand_off=hand_off,
         )
         if resumed is not None:
@@ -180,12 +178,15 @@ class Engine:
         """Pick up the text state where the failed worker left it: the detokenizer has seen
         the generated tokens, and the text the client has not got yet (held back as a possible
         stop string's start, or cut short with the stream) is pending. So the next token's text
-        joins on, and a stop string across the move is still found. The caller (the scheduler)
-        lowered max_tokens and min_tokens by what was generated."""
+        joins on, and a stop string across the move is still found. Seeded draws and the
+        presence / frequency penalties count those tokens as output (``Request.num_generated``),
+        so they go on as if the request had not moved. The caller (the scheduler) lowered
+        max_tokens and min_tokens by what was generated."""
         k, n = resumed.num_output_tokens, len(req.prompt_token_ids)
         if not 0 < k < n:
             raise ValueError(f"resumed.num_output_tokens is {k}; it must be 1..{n - 1} "
                              f"(the prompt has {n} tokens)")  # fmt: skip
+        req.num_resumed = k
         text = req.detokenizer.push(req.prompt_token_ids[n - k :])
         cut = min(resumed.num_emitted_chars, len(text))
         req.text, req.pending_text = text[:cut], text[cut:]

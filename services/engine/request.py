@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer
 
@@ -27,7 +25,7 @@ class Request:
     params: SamplingParams
     max_total_tokens: int  # prompt + the most output tokens it may get
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    num_resumed: int = 0  # the prompt's last tokens that this request generated elsewhere
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -54,6 +52,16 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens so far, counting those generated before a move (see ``Resumed``)."""
+        return self.num_resumed + len(self.output_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[n - self.num_resumed :] + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

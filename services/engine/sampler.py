@@ -3,8 +3,10 @@
 Order of operations (vLLM's): logprobs are taken from the raw logits; then min_tokens masks the
 stop tokens, penalties (repetition on prompt + output, presence / frequency on output), temperature,
 top-k, top-p, min-p; then a token is drawn. Drawing uses the exponential race
-(argmax p / q, q ~ Exp(1)), with each seeded request's own generator, so that a seeded request
-draws the same tokens whatever else is in the batch.
+(argmax p / q, q ~ Exp(1)). A seeded request's draw for its i-th output token comes from a
+generator seeded with (seed, i), not from a stream the request carries along, so it draws the same
+tokens whatever else is in the batch and wherever each token is drawn: the prefill worker draws the
+first, a decode worker the rest, and a request that moved (migration) draws on from its place.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class Sampler:
             row[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
-        if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-            counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)[:vocab]
+        if (p.presence_penalty or p.frequency_penalty) and req.num_generated:
+            counts = torch.bincount(torch.tensor(req.generated_token_ids), minlength=vocab)[:vocab]
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     @staticmethod
@@ -88,8 +90,10 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, req in enumerate(reqs):
-            if req.generator is not None and not req.params.greedy:
-                q[row].exponential_(generator=req.generator)
+            seed = req.params.seed
+            if seed is not None and not req.params.greedy:
+                place = torch.Generator().manual_seed(draw_seed(seed, req.num_generated))
+                q[row].exponential_(generator=place)
         return (probs / q).argmax(dim=-1)
 
     @staticmethod
@@ -114,3 +118,15 @@ class Sampler:
                 entry.setdefault(t, v)
             out.append(entry)
         return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of a request's draw for output token ``index``: splitmix64 of the pair, so that
+    neighbouring seeds and places give unrelated streams."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

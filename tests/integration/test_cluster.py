@@ -28,6 +28,7 @@ import pytest
 
 from infra.ports import free_port
 from protos import common_pb2
+from services.common.convert import sampling_params_to_pb
 from services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint
@@ -63,6 +64,11 @@ def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + j) % 250 + 1 for j in range(5 + 23 * i)] for i in range(n)]
 
 
+def seeded(seed: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.3, seed=seed,
+                          max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
+
+
 def run(*coros: object) -> list[Result]:
     async def main() -> list[Result]:
         return list(await asyncio.gather(*coros))  # type: ignore[arg-type]
@@ -70,12 +76,19 @@ def run(*coros: object) -> list[Result]:
     return asyncio.run(main())
 
 
-def test_greedy_outputs_equal_the_in_process_engine(cluster_a: Cluster, checkpoint: Path) -> None:
+def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
+    cluster_a: Cluster, checkpoint: Path
+) -> None:
+    """Half the requests greedy, half seeded: a seeded request draws its first token on the
+    prefill worker and the rest on a decode worker, and gets the tokens it gets in one engine."""
     ps = prompts(16)
-    results = run(*(generate(cluster_a.scheduler, p, greedy(12, ignore_eos=True)) for p in ps))
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) if i % 2 else
+              seeded(100 + i, 12) for i in range(16)]  # fmt: skip
+    results = run(*(generate(cluster_a.scheduler, p, sampling_params_to_pb(sp))
+                    for p, sp in zip(ps, params, strict=True)))  # fmt: skip
     engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
                                  num_kv_blocks=NUM_BLOCKS))  # fmt: skip
-    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    expected = engine.generate(ps, params)
     for res, ref in zip(results, expected, strict=True):
         assert res.code is None, res.details
         assert res.token_ids == ref.token_ids and res.finish_reason == "length"
@@ -289,11 +302,11 @@ def test_killed_decode_worker_is_routed_around_and_restarted(cluster_a: Cluster)
 def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
     cluster_a: Cluster, checkpoint: Path, how: signal.Signals
 ) -> None:
-    """--migration-limit 1: kill -9 of the decode worker that is streaming a greedy request, or
+    """--migration-limit 1: kill -9 of the decode worker that is streaming a seeded request, or
     SIGSTOP (its connection stays open and says nothing, but its heartbeat key expires, and
     the scheduler cuts the call). The request goes on from where it was (prefilled again with
     what it had generated, decoded on the other worker); the client gets the tokens and the
-    text of a request that never moved."""
+    text of a request that never moved: its draws go on from their places."""
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
     prompt, n = prompts(2)[1], 900
@@ -305,7 +318,7 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
             sent_at = time.time()
             call = stub.Generate(scheduler_pb2.GenerateRequest(
                 request_id="moved", prompt_token_ids=prompt,
-                sampling_params=greedy(n, ignore_eos=True)), timeout=60)  # fmt: skip
+                sampling_params=sampling_params_to_pb(seeded(11, n))), timeout=60)  # fmt: skip
             tokens, text, finish, killed_after, busy = [], "", "", 0, ""
             async for chunk in call:
                 assert chunk.request_id == "moved"  # not the moved part's worker-side id
@@ -331,7 +344,7 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
     assert killed_after < n - 100, killed_after  # it was killed mid-stream
     engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
                                  num_kv_blocks=NUM_BLOCKS))  # fmt: skip
-    (ref,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    (ref,) = engine.generate([prompt], seeded(11, n))
     assert (tokens, text, finish) == (ref.token_ids, ref.text, "length")
     assert cluster_a.logged('"event": "migrating"')
     if how is signal.SIGKILL:

@@ -287,12 +287,13 @@ def _gateway_metric(cluster: Cluster, name: str) -> float:
 def test_a_stream_whose_scheduler_dies_or_hangs_goes_on_through_the_other_replica(
     cluster: Cluster, client: openai.OpenAI, checkpoint: Path, how: signal.Signals
 ) -> None:
-    """kill -9 of the scheduler replica streaming a greedy request (--migration-limit 1), or
+    """kill -9 of the scheduler replica streaming a seeded request (--migration-limit 1), or
     SIGSTOP (no error and no tokens: the gateway's keepalive pings go unanswered and it drops
     the connection): the gateway sends the prompt + the tokens sent to the other replica, and
     the client gets the same text and usage as an undisturbed run."""
     kw = {"model": model_of(checkpoint), "prompt": "Carry me across the water", "max_tokens": 600,
-          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+          "temperature": 0.8, "seed": 2024, "presence_penalty": 0.2,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
     whole = client.completions.create(**kw)  # type: ignore[call-overload]
     moves = _gateway_metric(cluster, "ferry_gateway_migrations_total")
     chunks, victim = [], ""

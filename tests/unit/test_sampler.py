@@ -15,8 +15,6 @@ def req(params: SamplingParams, prompt: list[int] | None = None, out: list[int] 
     r = make_request("r", prompt or [0])
     r.params = params
     r.output_token_ids = list(out or [])
-    if params.seed is not None:
-        r.generator = torch.Generator().manual_seed(params.seed)
     return r
 
 
@@ -72,6 +70,23 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     alone = s(logits[:1], [req(p)]).token_ids[0]
     batch = [req(SamplingParams(temperature=1.0)) for _ in range(32)]
     assert s(logits, [req(p), *batch]).token_ids[0] == alone
+
+
+def test_a_seeded_draw_depends_on_the_output_tokens_place_only() -> None:
+    """The same seed at the same output place draws the same token, on any sampler, however
+    many draws came before; other places draw other tokens."""
+    logits = torch.zeros(1, 1000)  # uniform: the draw is the exponential race alone
+    p = SamplingParams(temperature=1.0, seed=99)
+    draws = [
+        Sampler([], seed=s)(logits, [req(p, out=[0] * i)]).token_ids[0]
+        for s in range(3)
+        for i in range(8)
+    ]
+    assert draws[:8] == draws[8:16] == draws[16:]
+    assert len(set(draws[:8])) == 8
+    moved = req(p, prompt=[0] * 9, out=[0, 0])
+    moved.num_resumed = 5  # 5 generated before a move and 2 since: the draw for token 7
+    assert Sampler([])(logits, [moved]).token_ids[0] == draws[7]
 
 
 def test_logprobs_from_raw_logits() -> None:
