@@ -26,8 +26,8 @@ from gateway import metrics
 from gateway.backend import Backend, GatewayConfig
 from gateway.body_limit import BodyLimit
 from gateway.errors import OpenAIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from gateway.streams import Choice, merged, usage
+from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.streams import Choice, choices_of, merged, usage
 from protos import common_pb2
 
 
@@ -97,9 +97,19 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         backend.check_model(body.model)
-        ids = backend.encode_prompt(body.prompt)
+        given = body.prompts()
+        if not given:
+            raise OpenAIError(400, "prompt is an empty list", param="prompt")
+        if len(given) * body.n > MAX_CHOICES:
+            raise OpenAIError(400, f"{len(given)} prompts x n={body.n} is more than "
+                              f"{MAX_CHOICES} choices; split the batch", param="prompt")  # fmt: skip
+        prompts = [backend.encode_prompt(p) for p in given]
         params = _params(body, body.max_tokens, body.logprobs)
-        api = _Completions(backend, body, ids)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
+        api = _Completions(backend, body, prompts)
+        api.echoed = [p if isinstance(p, str) else backend.tokenizer.decode(p, skip_special_tokens=False)
+                      for p in given]  # fmt: skip
         if body.stream:
             return _sse(api.stream(params))
         return JSONResponse(await api.complete(params))
@@ -111,7 +121,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         ids = backend.encode_chat(messages, body.add_generation_prompt)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
-        api = _Chat(backend, body, ids)
+        api = _Chat(backend, body, [ids])
         if body.stream:
             return _sse(api.stream(params))
         return JSONResponse(await api.complete(params))
@@ -171,11 +181,11 @@ class _Api:
     prefix = ""
     num_top = 0  # how many top alternatives the request asked for
 
-    def __init__(self, backend: Backend, body: _Sampling, prompt_ids: list[int]) -> None:
-        self.backend, self.body, self.prompt_ids = backend, body, prompt_ids
+    def __init__(self, backend: Backend, body: _Sampling, prompts: list[list[int]]) -> None:
+        self.backend, self.body, self.prompts = backend, body, prompts
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.choices = [Choice(i) for i in range(body.n)]
+        self.choices = choices_of(len(prompts), body.n)
         self.num_top = self.requested_top()
 
     def requested_top(self) -> int:
@@ -186,24 +196,29 @@ class _Api:
                 "model": self.backend.config.model_name, "choices": choices}  # fmt: skip
 
     async def complete(self, params: common_pb2.SamplingParams) -> dict[str, Any]:
-        async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):
+        async for i, chunk in self._merged(params):
             self.choices[i].add(chunk)
         out = self.envelope(self.object, [self.final_choice(c) for c in self.choices])
-        out["usage"] = usage(self.choices, len(self.prompt_ids))
+        out["usage"] = usage(self.choices, self.prompts)
         return out
 
     async def stream(self, params: common_pb2.SamplingParams) -> AsyncIterator[dict[str, Any]]:
         for event in self.opening():
             yield event
-        async for i, chunk in merged(self.backend, self.prompt_ids, params, self.body.n):
+        async for i, chunk in self._merged(params):
             choice = self.choices[i]
             choice.add(chunk)
             yield self.envelope(self.chunk_object, [self.delta(choice, chunk)])
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             event = self.envelope(self.chunk_object, [])
-            event["usage"] = usage(self.choices, len(self.prompt_ids))
+            event["usage"] = usage(self.choices, self.prompts)
             yield event
+
+    def _merged(
+        self, params: common_pb2.SamplingParams
+    ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
+        return merged(self.backend, self.prompts, self.choices, params, self.body.n)
 
     def opening(self) -> list[dict[str, Any]]:
         return []
@@ -229,6 +244,7 @@ class _Completions(_Api):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
     body: CompletionRequest
+    echoed: list[str]  # each prompt's text, put before its choices' text when body.echo
 
     def requested_top(self) -> int:
         return self.body.logprobs or 0
@@ -246,14 +262,45 @@ class _Completions(_Api):
         return {"tokens": tokens, "token_logprobs": [lp.entries[0].logprob for lp in lps],
                 "top_logprobs": [dict(self.top(lp)) for lp in lps], "text_offset": offsets}  # fmt: skip
 
+    def echo_logprobs(self, c: Choice) -> dict[str, Any] | None:
+        """The prompt's part of an echoed choice's logprobs: its first token has none."""
+        out = self.logprobs(self.prompts[c.prompt], c.prompt_logprobs, 0)
+        if out is not None:
+            out["token_logprobs"].insert(0, None)
+            out["top_logprobs"].insert(0, None)
+        return out
+
     def final_choice(self, c: Choice) -> dict[str, Any]:
-        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": self.logprobs(c.token_ids, c.logprobs, 0)}  # fmt: skip
+        lps = self.logprobs(c.token_ids, c.logprobs, 0)
+        if not self.body.echo:
+            return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": lps}  # fmt: skip
+        head = self.echoed[c.prompt]
+        return {"index": c.index, "text": head + c.text, "finish_reason": c.finish_reason,
+                "logprobs": _joined(self.echo_logprobs(c), lps, len(head))}  # fmt: skip
 
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
         offset = len(c.text) - len(chunk.text)
-        return {"index": c.index, "text": chunk.text, "finish_reason": chunk.finish_reason or None,
-                "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs), offset)}  # fmt: skip
+        lps = self.logprobs(list(chunk.token_ids), list(chunk.logprobs), offset)
+        text = chunk.text
+        if self.body.echo:  # the prompt goes out with the choice's first chunk
+            head = self.echoed[c.prompt]
+            if c.chunks == 1:
+                text, lps = head + text, _joined(self.echo_logprobs(c), lps, len(head))
+            elif lps is not None:
+                lps["text_offset"] = [at + len(head) for at in lps["text_offset"]]
+        return {"index": c.index, "text": text, "finish_reason": chunk.finish_reason or None,
+                "logprobs": lps}  # fmt: skip
+
+
+def _joined(
+    head: dict[str, Any] | None, tail: dict[str, Any] | None, shift: int
+) -> dict[str, Any] | None:
+    """Completion logprobs ``head`` then ``tail``, the tail's text offsets moved by ``shift``."""
+    if head is None or tail is None:
+        return None
+    tail["text_offset"] = [at + shift for at in tail["text_offset"]]
+    return {key: head[key] + tail[key] for key in head}
 
 
 class _Chat(_Api):

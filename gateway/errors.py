@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 # Field names the engine's validation messages start with ("temperature must be >= 0, ..."):
 # the gateway reports them as the error's ``param``.
 PARAMS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "stop",
+          "repetition_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "stop",
           "stop_token_ids", "n")  # fmt: skip
 
 _HTTP = {

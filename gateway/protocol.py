@@ -4,11 +4,12 @@ SamplingParams and come back from the scheduler as INVALID_ARGUMENT; here only t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16
+MAX_CHOICES = 256  # prompts x n of one /v1/completions request
 
 
 class _Body(BaseModel):
@@ -44,9 +45,27 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    # one prompt (text or token ids) or a batch of them
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) first
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, value: Any) -> Any:
+        """One message for a prompt of no accepted shape, not one per shape it is not."""
+        shapes = (str, lambda v: _all(v, int), lambda v: _all(v, str),
+                  lambda v: _all(v, list) and all(_all(x, int) for x in v))  # fmt: skip
+        if not any(isinstance(value, s) if isinstance(s, type) else s(value) for s in shapes):
+            raise ValueError("give a string, a list of token ids, or a list of either "
+                             "(a batch of prompts)")  # fmt: skip
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ChatMessage(_Body):
@@ -68,3 +87,10 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+
+
+def _all(value: Any, kind: type) -> bool:
+    """A list whose items are all ``kind`` (bool is not an int here)."""
+    return isinstance(value, list) and all(
+        isinstance(x, kind) and not isinstance(x, bool) for x in value
+    )

@@ -1,5 +1,6 @@
-"""n choices of one request as n scheduler streams, merged into one stream of (index, chunk),
-with the latency metrics a client would measure."""
+"""The choices of one request (n per prompt; /v1/completions takes several prompts) as one
+scheduler stream each, merged into one stream of (index, chunk), with the latency metrics a
+client would measure."""
 
 from __future__ import annotations
 
@@ -17,36 +18,55 @@ from protos import common_pb2
 
 @dataclass
 class Choice:
-    """What one choice has produced so far."""
+    """What one choice has produced so far; ``prompt``: which of the request's prompts."""
 
     index: int
+    prompt: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    chunks: int = 0
 
     def add(self, chunk: common_pb2.TokenChunk) -> None:
+        self.chunks += 1
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
+        self.prompt_logprobs += chunk.prompt_logprobs  # only the first chunk has them
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
             self.prompt_tokens = chunk.usage.prompt_tokens
             self.cached_tokens = chunk.usage.cached_tokens
 
 
-def usage(choices: list[Choice], num_prompt_tokens: int) -> dict[str, object]:
+def usage(choices: list[Choice], prompts: list[list[int]]) -> dict[str, object]:
+    """Each prompt counts once however many choices it has; its cached tokens are those of its
+    choice that found the most in the prefix cache."""
+    num_prompt = sum(len(p) for p in prompts)
     completion = sum(len(c.token_ids) for c in choices)
-    cached = max((c.cached_tokens for c in choices), default=0)
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": num_prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    cached = [0] * len(prompts)
+    for c in choices:
+        cached[c.prompt] = max(cached[c.prompt], c.cached_tokens)
+    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
+            "total_tokens": num_prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached)}}  # fmt: skip
+
+
+def choices_of(num_prompts: int, n: int) -> list[Choice]:
+    """Choice ``p * n + j`` is the j-th of prompt p (OpenAI's order)."""
+    return [Choice(p * n + j, p) for p in range(num_prompts) for j in range(n)]
 
 
 async def merged(
-    backend: Backend, prompt_ids: list[int], params: common_pb2.SamplingParams, n: int
+    backend: Backend,
+    prompts: list[list[int]],
+    choices: list[Choice],
+    params: common_pb2.SamplingParams,
+    n: int,
 ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
     """Every choice's chunks as they arrive. The first error of any choice ends the whole
     request (the others are cancelled); leaving the iterator early cancels them all."""
@@ -54,17 +74,20 @@ async def merged(
     rid = uuid.uuid4().hex
     queue: asyncio.Queue[tuple[int, common_pb2.TokenChunk | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int) -> None:
+    async def pump(c: Choice) -> None:
         try:
-            async for chunk in backend.generate(prompt_ids, for_choice(params, i), f"{rid}-{i}"):
-                await queue.put((i, chunk))
-            await queue.put((i, None))
+            stream = backend.generate(prompts[c.prompt], for_choice(params, c.index % n),
+                                      f"{rid}-{c.index}")  # fmt: skip
+            async for chunk in stream:
+                await queue.put((c.index, chunk))
+            await queue.put((c.index, None))
         except Exception as e:  # any failure of one choice is handed to the reader
-            await queue.put((i, e))
+            await queue.put((c.index, e))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(n)]
-    last = [0.0] * n
-    running = n
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    n_streams = len(choices)
+    last = [0.0] * n_streams
+    running = n_streams
     try:
         while running:
             i, item = await queue.get()
@@ -82,7 +105,7 @@ async def merged(
             metrics.COMPLETION_TOKENS.inc(len(item.token_ids))
             yield i, item
         metrics.E2E.observe(time.perf_counter() - started)
-        metrics.PROMPT_TOKENS.inc(len(prompt_ids))
+        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
     finally:
         for t in tasks:
             t.cancel()

@@ -27,8 +27,8 @@ from gateway.sdk.types import Chunk, Completion, Model, Usage
 from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "seed", "logprobs", "min_tokens",
-             "ignore_eos")  # fmt: skip
+             "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
+             "min_tokens", "ignore_eos")  # fmt: skip
 
 
 def _request(
@@ -53,8 +53,13 @@ def _chunk(msg: common_pb2.TokenChunk) -> Chunk:
         u = msg.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
     return Chunk(text=msg.text, token_ids=list(msg.token_ids),
-                 logprobs=[{e.token_id: e.logprob for e in lp.entries} for lp in msg.logprobs],
-                 finish_reason=msg.finish_reason or None, usage=usage)  # fmt: skip
+                 logprobs=[_entries(lp) for lp in msg.logprobs],
+                 finish_reason=msg.finish_reason or None, usage=usage,
+                 prompt_logprobs=[_entries(lp) for lp in msg.prompt_logprobs])  # fmt: skip
+
+
+def _entries(lp: common_pb2.TokenLogprobs) -> dict[int, float]:
+    return {e.token_id: e.logprob for e in lp.entries}
 
 
 def _completion(chunks: Sequence[Chunk]) -> Completion:
@@ -63,7 +68,8 @@ def _completion(chunks: Sequence[Chunk]) -> Completion:
     return Completion(text="".join(c.text for c in chunks),
                       token_ids=[t for c in chunks for t in c.token_ids],
                       finish_reason=last.finish_reason, usage=last.usage,
-                      logprobs=[lp for c in chunks for lp in c.logprobs])  # fmt: skip
+                      logprobs=[lp for c in chunks for lp in c.logprobs],
+                      prompt_logprobs=[lp for c in chunks for lp in c.prompt_logprobs])  # fmt: skip
 
 
 class _Base:
@@ -101,13 +107,16 @@ class FerryClient(_Base):
     ) -> Iterator[Chunk]:  # fmt: skip
         """Stream chunks as they are generated. ``sampling``: max_tokens, temperature, top_p,
         top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs,
-        min_tokens, ignore_eos. With ``stream=False`` the one chunk holds everything."""
+        prompt_logprobs (n: each prompt token's logprob after the first, plus the top n, on the
+        first chunk), min_tokens, ignore_eos. With ``stream=False`` the one chunk holds
+        everything."""
         req = _request(prompt, model if model is not None else self.model, stop, sampling)
         chunks = self._stream(req)
         if stream:
             return chunks
         c = _completion(list(chunks))
-        return iter([Chunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.usage)])
+        return iter([Chunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.usage,
+                           c.prompt_logprobs)])  # fmt: skip
 
     def complete(
         self, prompt: str | Sequence[int], *, model: str | None = None,

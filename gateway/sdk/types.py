@@ -22,6 +22,7 @@ class Chunk:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # on the first chunk
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # sampling prompt_logprobs=n: one per prompt token after the first (that token's first)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")  # fmt: skip
-_INT_FIELDS = ("top_k", "seed", "logprobs", "max_tokens")
+_INT_FIELDS = ("top_k", "seed", "logprobs", "prompt_logprobs", "max_tokens")
 
 
 def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -52,7 +52,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
     )  # fmt: skip
-    for name in ("seed", "logprobs", "max_tokens"):
+    for name in ("seed", "logprobs", "prompt_logprobs", "max_tokens"):
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
@@ -78,9 +78,14 @@ def logprobs_from_pb(msg: pb.TokenLogprobs) -> dict[int, float] | None:
 
 
 def chunk_from_outputs(outs: list[RequestOutput]) -> pb.TokenChunk:
-    """One TokenChunk for consecutive outputs of one request (the reader lagged behind them)."""
+    """One TokenChunk for consecutive outputs of one request (the reader lagged behind them).
+    The chunk with the request's first token carries its prompt logprobs, when asked for (a
+    decode worker's first chunk does not: the prefill worker sent the first token)."""
     last = outs[-1]
     chunk = pb.TokenChunk(request_id=last.request_id, finish_reason=last.finish_reason or "")
+    first = outs[0]
+    if first.prompt_logprobs and len(first.token_ids) == len(first.delta_token_ids):
+        chunk.prompt_logprobs.extend(logprobs_to_pb(lp) for lp in first.prompt_logprobs)
     for out in outs:
         chunk.token_ids.extend(out.delta_token_ids)
         chunk.text += out.delta_text

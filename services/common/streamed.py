@@ -43,6 +43,7 @@ class Streamed:
         if params.HasField("max_tokens"):
             params.max_tokens -= k  # >= 1: the request would have ended otherwise
         params.min_tokens = max(0, params.min_tokens - k)
+        params.ClearField("prompt_logprobs")  # the client has them from the first chunk
         return scheduler_pb2.GenerateRequest(
             request_id=request.request_id, sampling_params=params,
             prompt_token_ids=[*request.prompt_token_ids, *self.token_ids],

@@ -26,7 +26,7 @@ from services.engine.kv_cache import KVCacheManager
 from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
 from services.engine.output_processor import OutputProcessor, make_output
 from services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
-from services.engine.sampler import Sampler
+from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
 from services.engine.tokenizer import Tokenizer, load_tokenizer
@@ -163,6 +163,7 @@ class Engine:
             params=params,
             max_total_tokens=total,
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
+            prompt_logprobs=None if params.prompt_logprobs is None else [],
             hand_off=hand_off,
         )
         if resumed is not None:
@@ -269,12 +270,16 @@ class Engine:
         input_ids: list[int] = []
         rows: list[int] = []
         sampling: list[Request] = []
+        prompt_rows: list[tuple[int, Request, int]] = []  # (row, request, the next prompt token)
         for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
             start = req.num_computed_tokens
+            offset = len(input_ids)
             input_ids.extend(req.token_slice(start, start + n))
             if start + n == req.num_tokens:
                 rows.append(len(input_ids) - 1)
                 sampling.append(req)
+            for pos in _prompt_logprob_positions(req, start, n):
+                prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
         device = self.model.device
         batch = ForwardBatch.build(
             plan.num_new_tokens,
@@ -288,11 +293,26 @@ class Engine:
         logits = hidden.new_empty(0)
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu()
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows)
         forward_s = time.perf_counter() - t0
         for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.kv.commit(req)
         return logits, sampling, forward_s
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[tuple[int, Request, int]]
+    ) -> None:
+        """Append each row's next prompt token's logprob (and the top n) to its request."""
+        index = torch.tensor([row for row, _, _ in prompt_rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden[index]).cpu()
+        targets = torch.tensor([token for _, _, token in prompt_rows])
+        wanted = [req.params.prompt_logprobs for _, req, _ in prompt_rows]
+        entries = token_logprobs(logits, targets, wanted)
+        for (_, req, _), entry in zip(prompt_rows, entries, strict=True):
+            assert req.prompt_logprobs is not None and entry is not None
+            req.prompt_logprobs.append(entry)
 
     def _finish(self, req: Request) -> None:
         self.planner.remove(req)
@@ -357,3 +377,14 @@ def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
         sort_keys=True,
     )  # fmt: skip
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def _prompt_logprob_positions(req: Request, start: int, n: int) -> range:
+    """The positions among this step's ``start .. start + n`` whose logits give a prompt token's
+    logprob that ``req`` still lacks (position i predicts prompt token i + 1; after a
+    preemption the recomputed positions already have theirs)."""
+    if req.prompt_logprobs is None:
+        return range(0)
+    return range(
+        max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_token_ids) - 1)
+    )

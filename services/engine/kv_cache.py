@@ -148,8 +148,9 @@ class KVCacheManager:
 
     def match_prefix(self, req: Request) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of ``req``'s tokens, leaving at least one
-        token to compute (its logits are needed). Returns (block ids, their hashes)."""
-        if not self.enable_prefix_caching:
+        token to compute (its logits are needed). Returns (block ids, their hashes). None for a
+        request that wants its prompt's logprobs: it needs the logits of every prompt token."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return [], []
         tokens = req.all_token_ids
         blocks: list[int] = []

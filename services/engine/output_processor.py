@@ -66,6 +66,7 @@ def make_output(
         delta_token_ids=delta_token_ids,
         delta_text=delta_text,
         stop_reason=req.stop_reason,
+        prompt_logprobs=req.prompt_logprobs,
         kv_hold=kv_hold,
         kv_block_ids=list(req.block_ids) if kv_hold else [],
     )

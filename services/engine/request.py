@@ -37,6 +37,8 @@ class Request:
     text: str = ""  # emitted text (stop strings excluded)
     pending_text: str = ""  # decoded but held back: may be the start of a stop string
     logprobs: list[dict[int, float]] | None = None
+    # params.prompt_logprobs: one entry per prompt token after the first, filled by the prefill
+    prompt_logprobs: list[dict[int, float]] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
@@ -86,6 +88,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None  # complete from the first output on
     # Set on a hand-off request's last output: the hold (see KVCacheManager.hold) that keeps its
     # prompt's blocks, and those blocks. The KV exporter turns the hold into a lease.
     kv_hold: str | None = None

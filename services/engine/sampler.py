@@ -101,23 +101,30 @@ class Sampler:
         logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
     ) -> list[dict[int, float] | None]:
         """The sampled token's logprob plus the top-n, from the raw (unpenalised) logits."""
-        wanted = [r.params.logprobs for r in reqs]
-        if all(n is None for n in wanted):
-            return [None] * len(reqs)
-        lp = torch.log_softmax(logits, dim=-1)
-        most = max(n or 0 for n in wanted)
-        top_vals, top_ids = lp.topk(most, dim=-1) if most else (lp[:, :0], tokens[:, None][:, :0])
-        sampled = lp.gather(1, tokens[:, None])[:, 0].tolist()
-        out: list[dict[int, float] | None] = []
-        for i, n in enumerate(wanted):
-            if n is None:
-                out.append(None)
-                continue
-            entry = {int(tokens[i]): sampled[i]}
-            for t, v in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True):
-                entry.setdefault(t, v)
-            out.append(entry)
-        return out
+        return token_logprobs(logits, tokens, [r.params.logprobs for r in reqs])
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int | None]
+) -> list[dict[int, float] | None]:
+    """Per row: None where ``wanted`` is None, else ``{token: its logprob}`` followed by the
+    ``wanted`` most likely tokens (the token is not repeated when it is among them)."""
+    if all(n is None for n in wanted):
+        return [None] * len(wanted)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    most = max(n or 0 for n in wanted)
+    top_vals, top_ids = lp.topk(most, dim=-1) if most else (lp[:, :0], tokens[:, None][:, :0])
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    out: list[dict[int, float] | None] = []
+    for i, n in enumerate(wanted):
+        if n is None:
+            out.append(None)
+            continue
+        entry = {int(tokens[i]): chosen[i]}
+        for t, v in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True):
+            entry.setdefault(t, v)
+        out.append(entry)
+    return out
 
 
 _MASK64 = (1 << 64) - 1

@@ -16,6 +16,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: no logprobs; n: the sampled token's plus the top n
+    # None: none; n: each prompt token's (all but the first) plus the top n. Such a request
+    # computes its whole prompt: a cached prefix has no logits to give.
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = 16  # None: until the model's length limit
@@ -44,6 +47,10 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in 0..20"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs must be in 0..20",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
         ]
         for ok, msg in checks:

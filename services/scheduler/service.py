@@ -409,9 +409,12 @@ def _decode_request(
 ) -> decode_worker_pb2.DecodeRequest:  # fmt: skip
     """The Decode that continues a prefill: its first token and the handle of its KV."""
     first = result.first
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(request.sampling_params)
+    params.ClearField("prompt_logprobs")  # the prefill worker sent them with the first token
     return decode_worker_pb2.DecodeRequest(
         request_id=rid, prompt_token_ids=request.prompt_token_ids,
-        sampling_params=request.sampling_params, first_token_id=first.token_ids[0],
+        sampling_params=params, first_token_id=first.token_ids[0],
         first_logprobs=first.logprobs[0] if first.logprobs else None,
         kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
         resumed=resumed,

@@ -19,6 +19,7 @@ import pytest
 from gateway.chat_template import ChatTemplate
 from gateway.sdk import AuthenticationError, FerryClient
 from infra.ports import free_port
+from services.engine import Engine, EngineConfig, SamplingParams
 from services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.helpers import make_hf_checkpoint
@@ -106,6 +107,57 @@ def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoi
     assert first.usage.completion_tokens == 16  # type: ignore[union-attr]
 
 
+def test_a_batch_of_prompts_gives_n_choices_each_in_order(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """prompt as a list (text or token ids): choice p * n + j is the j-th choice of prompt p,
+    the same as that prompt alone; usage counts each prompt once."""
+    tok = load_tokenizer(checkpoint)
+    ids = tok.encode("Tokens already")
+    kw = {"model": model_of(checkpoint), "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    alone = [client.completions.create(prompt=p, **kw) for p in ("Ship ahoy", ids)]  # type: ignore[call-overload]
+    both = client.completions.create(prompt=[tok.encode("Ship ahoy"), ids], **kw)  # type: ignore[call-overload]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+    assert both.usage is not None and both.usage.completion_tokens == 24
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    texts = client.completions.create(prompt=["Ship ahoy", "Land ho"], **kw)  # type: ignore[call-overload]
+    assert [c.text for c in texts.choices[:2]] == [c.text for c in alone[0].choices]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, checkpoint: Path) -> None:
+    """The loglikelihood request of evaluation harnesses: token-id prompts in a batch, echo,
+    logprobs=1, max_tokens=1. Each prompt token after the first has the logprob a forward over
+    the whole prompt gives it (the engine in this process on the same checkpoint), streamed or
+    not; the text is the prompt's, then the completion's."""
+    tok = load_tokenizer(checkpoint)
+    prompts = [tok.encode(t) for t in ("The river is wide", "and the ferry is slow to cross")]
+    kw = {"model": model_of(checkpoint), "prompt": prompts, "max_tokens": 1, "temperature": 0,
+          "logprobs": 1, "echo": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    out = client.completions.create(**kw)  # type: ignore[call-overload]
+    engine = Engine(EngineConfig(model=str(checkpoint), block_size=16))
+    refs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    for choice, ids, ref in zip(out.choices, prompts, refs, strict=True):
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.tokens == [tok.decode([t], skip_special_tokens=False)
+                             for t in [*ids, *ref.token_ids]]  # fmt: skip
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = [next(iter(e.values())) for e in ref.prompt_logprobs or []]
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, rel=1e-4, abs=1e-4)
+        assert len(lp.token_logprobs) == len(ids) + 1 and len(lp.top_logprobs[1]) in (1, 2)
+        head = tok.decode(ids, skip_special_tokens=False)
+        assert choice.text == head + ref.text
+        assert lp.text_offset is not None and lp.text_offset[-1] == len(head)
+    chunks = list(client.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    for choice in out.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        streamed = [x for c in mine for x in (c.logprobs.token_logprobs or [])]  # type: ignore[union-attr]
+        assert streamed == choice.logprobs.token_logprobs  # type: ignore[union-attr]
+
+
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Count:", "max_tokens": 24, "temperature": 0,
           "extra_body": {"ignore_eos": True}}  # fmt: skip
@@ -156,6 +208,9 @@ def test_models_health_and_metrics(
         ({"top_p": 3.0}, openai.BadRequestError, "top_p"),
         ({"max_tokens": 0}, openai.BadRequestError, "max_tokens"),
         ({"n": 99}, openai.BadRequestError, "n"),
+        ({"prompt": []}, openai.BadRequestError, "prompt"),
+        ({"prompt": ["a", 1]}, openai.BadRequestError, "prompt"),
+        ({"prompt": ["hi"] * 20, "n": 16}, openai.BadRequestError, "prompt"),
         ({"prompt": "x" * 2000}, openai.BadRequestError, "prompt"),
         ({"extra_body": {"not_a_field": 1}}, openai.BadRequestError, "not_a_field"),
     ],

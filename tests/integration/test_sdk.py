@@ -61,6 +61,18 @@ def test_token_ids_in_and_seeded_sampling(cluster: Cluster) -> None:
     assert a.token_ids == b.token_ids and a.usage.prompt_tokens == 4
 
 
+def test_prompt_logprobs_come_with_the_first_chunk(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        whole = client.complete([256, 10, 20, 30], max_tokens=3, prompt_logprobs=2)
+        chunks = list(client.generate([256, 10, 20, 30], max_tokens=3, prompt_logprobs=2))
+        with pytest.raises(InvalidRequestError, match=r"prompt_logprobs must be in 0\.\.20"):
+            client.complete("x", max_tokens=4, prompt_logprobs=21)
+    assert [next(iter(lp)) for lp in whole.prompt_logprobs] == [10, 20, 30]
+    assert all(2 <= len(lp) <= 3 and max(lp.values()) <= 0 for lp in whole.prompt_logprobs)
+    assert chunks[0].prompt_logprobs == whole.prompt_logprobs
+    assert not any(c.prompt_logprobs for c in chunks[1:])
+
+
 def test_errors_are_typed_with_the_server_message(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
         with pytest.raises(InvalidRequestError, match="temperature must be >= 0") as info:

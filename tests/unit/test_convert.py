@@ -6,6 +6,7 @@ import pytest
 
 from protos import common_pb2 as pb
 from services.common import convert
+from services.engine.request import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
@@ -18,7 +19,7 @@ def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_lim
 
 def test_sampling_params_round_trip() -> None:
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=11, max_tokens=33,
-                       stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2,
+                       stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2, prompt_logprobs=0,
                        presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
 
@@ -30,6 +31,7 @@ def test_sampling_params_round_trip() -> None:
         ({"temperature": math.inf}, "temperature must be a finite number"),
         ({"top_p": math.nan}, "top_p must be a finite number"),
         ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in 0..20"),
     ],
 )
 def test_bad_values_name_the_field(fields: dict[str, float], message: str) -> None:
@@ -51,3 +53,18 @@ def test_logprobs_round_trip() -> None:
     lp = {3: -0.1, 9: -2.5}
     assert convert.logprobs_from_pb(convert.logprobs_to_pb(lp)) == pytest.approx(lp)
     assert convert.logprobs_from_pb(convert.logprobs_to_pb(None)) is None
+
+
+def test_prompt_logprobs_go_with_the_requests_first_token_only() -> None:
+    """The chunk with the first token carries them (a prefill or aggregated worker's); a decode
+    worker's first chunk starts at the second token and does not."""
+    lps = [{5: -0.5, 6: -1.0}, {7: -0.25}]
+
+    def out(tokens: list[int], delta: list[int]) -> RequestOutput:
+        return RequestOutput("r", [1, 5, 7], tokens, "", None, None, 0, delta_token_ids=delta,
+                             prompt_logprobs=lps)  # fmt: skip
+
+    first = convert.chunk_from_outputs([out([9], [9]), out([9, 8], [8])])
+    assert [convert.logprobs_from_pb(lp) for lp in first.prompt_logprobs] == lps
+    assert list(first.token_ids) == [9, 8]
+    assert not convert.chunk_from_outputs([out([9, 8], [8])]).prompt_logprobs

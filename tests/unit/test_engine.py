@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine import Engine, EngineConfig, SamplingParams
+from services.engine.model import prompt_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -121,4 +123,30 @@ def test_rejections(engine: Engine) -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="block_size=8"):
         EngineConfig(block_size=8)
+    _all_free_or_cached(engine)
+
+
+def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache() -> None:
+    """Chunked (32-token budget, a 100-token prompt) and with the prompt already cached: every
+    prompt token after the first gets the logprob of one forward over the whole prompt, then
+    the top 3; the cached prefix is computed again (it has no logits to give)."""
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256,
+                                 max_num_batched_tokens=32))  # fmt: skip
+    prompt = list(range(40, 140))
+    engine.generate([prompt], GREEDY)
+    asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    plain, out = engine.generate([prompt, prompt], [GREEDY, asked])
+    assert plain.num_cached_tokens == 96 and plain.prompt_logprobs is None
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs is not None
+    lp = torch.log_softmax(prompt_logits(engine.model, prompt), dim=-1)
+    assert len(out.prompt_logprobs) == len(prompt) - 1
+    for i, entry in enumerate(out.prompt_logprobs):
+        token = prompt[i + 1]
+        assert next(iter(entry)) == token
+        top = lp[i].topk(3)
+        want = {token: lp[i, token], **dict(zip(top.indices.tolist(), top.values, strict=True))}
+        assert entry.keys() == want.keys(), i
+        for t, v in want.items():
+            assert abs(entry[t] - float(v)) < 1e-4, (i, t)
+    assert out.token_ids == plain.token_ids[:2]
     _all_free_or_cached(engine)

@@ -1,4 +1,5 @@
-"""Engine greedy outputs against transformers' generate, token for token."""
+"""Engine greedy outputs against transformers' generate, token for token, and the prompt logprobs
+against transformers' logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from services.engine import Engine, EngineConfig, SamplingParams
-from tests.helpers import YARN, hf_greedy, make_hf_checkpoint
+from tests.helpers import YARN, hf_greedy, hf_logits, make_hf_checkpoint
 
 PROMPT_LENS = [1, 5, 17, 64, 100, 177, 300, 500]
 MAX_NEW = 24
@@ -34,7 +35,17 @@ def expected(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
     return hf_greedy(checkpoint, prompts, MAX_NEW)
 
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+@pytest.fixture(scope="module")
+def prompt_logprobs(checkpoint: Path, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob (after the first) from one transformers forward."""
+    out = []
+    for ids in prompts:
+        lp = torch.log_softmax(hf_logits(checkpoint, ids).float(), dim=-1)
+        out.append([float(lp[i, t]) for i, t in enumerate(ids[1:])])
+    return out
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0)
 
 
 @pytest.mark.parametrize(
@@ -46,15 +57,22 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ],
     ids=["default", "chunked-prefill", "preemption"],
 )
-def test_greedy_matches_transformers(
-    checkpoint: Path, prompts: list[list[int]], expected: list[list[int]], overrides: dict[str, int]
+def test_greedy_and_prompt_logprobs_match_transformers(
+    checkpoint: Path,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    prompt_logprobs: list[list[float]],
+    overrides: dict[str, int],
 ) -> None:
     config = EngineConfig(model=str(checkpoint), block_size=16, **overrides)
     engine = Engine(config)
     outs = engine.generate(prompts, PARAMS)
-    for n, out, want in zip(PROMPT_LENS, outs, expected, strict=True):
+    for n, out, want, want_lp in zip(PROMPT_LENS, outs, expected, prompt_logprobs, strict=True):
         assert out.token_ids == want, f"prompt of {n} tokens"
         assert out.finish_reason == "length"
+        got = [next(iter(e.values())) for e in out.prompt_logprobs or []]
+        assert len(got) == n - 1
+        assert torch.allclose(torch.tensor(got), torch.tensor(want_lp), rtol=1e-4, atol=1e-4), n
     if "num_kv_blocks" in overrides:
         assert engine.num_preemptions > 0
     engine.check_integrity()

@@ -12,7 +12,8 @@ def _chunk(*ids: int, text: str) -> common_pb2.TokenChunk:
 
 
 def test_a_continuation_of_a_continuation_is_one_continuation() -> None:
-    params = common_pb2.SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0)
+    params = common_pb2.SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0,
+                                       prompt_logprobs=1)  # fmt: skip
     request = scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
                                             sampling_params=params)  # fmt: skip
     once = Streamed()
@@ -33,6 +34,8 @@ def test_a_continuation_of_a_continuation_is_one_continuation() -> None:
     assert (whole.resumed.num_output_tokens, whole.resumed.num_emitted_chars) == (5, 5)
     assert (whole.sampling_params.max_tokens, whole.sampling_params.min_tokens) == (5, 0)
     assert whole.sampling_params.temperature == 0.0
+    # the client has the prompt's logprobs from the first chunk; the rest asks for none
+    assert not whole.sampling_params.HasField("prompt_logprobs")
 
 
 def test_usage_counts_the_whole_request_after_moves() -> None:
