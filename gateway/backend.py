@@ -122,6 +122,8 @@ class Backend:
                         sent.add(chunk)
                         chunk.request_id = rid  # not a continuation's
                         yield chunk
+                        if chunk.finish_reason:  # a connection lost after it loses nothing
+                            return
                 return
             except grpc.aio.AioRpcError as e:
                 if not replica.dropped(e):

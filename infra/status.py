@@ -16,6 +16,8 @@ def row(view: WorkerView, now: float) -> tuple[str, ...]:
         return (r.worker_id, r.role, r.address, "no load", "-", "-", "-", "-", "-", "-")
     age = now - ld.updated_at
     health = "ok" if age < 3 else f"stale {age:.0f}s"
+    if r.draining:  # stopping: serves what it has, takes nothing new
+        health = "draining" if age < 3 else f"draining, {health}"
     used = ld.total_kv_blocks - ld.free_kv_blocks
     kv = (
         (str(used), str(ld.total_kv_blocks), str(ld.cached_kv_blocks))
@@ -35,7 +37,7 @@ def table(rows: list[tuple[str, ...]]) -> str:
 async def status(redis_url: str, cluster: str) -> str:
     state = ClusterState(redis_url, cluster)
     try:
-        views = await state.workers()
+        views = await state.workers(include_draining=True)
     finally:
         await state.close()
     if not views:

@@ -71,8 +71,11 @@ class Cluster:
 
     def logged(self, text: str) -> bool:
         """``text`` is in the output of `ferry up` or of one of its children (their logs)."""
+        return self.times_logged(text) > 0
+
+    def times_logged(self, text: str) -> int:
         assert self.log is not None
-        return text in self.log.read_text(errors="replace")
+        return self.log.read_text(errors="replace").count(text)
 
     def restarted(self, worker_id: str, timeout: float) -> int:
         """Wait until a process other than the one in ``pids`` registers as ``worker_id``;

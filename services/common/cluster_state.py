@@ -72,6 +72,9 @@ class WorkerRecord:
     dep_rank: int = -1
     pid: int = 0
     started_at: float = 0.0  # time.time()
+    # stopping gracefully: takes nothing new, still serves what it has (and still beats, so a
+    # worker that hangs while draining leaves the registry like any other)
+    draining: bool = False
 
     @property
     def process(self) -> tuple[str, int, float]:
@@ -131,7 +134,7 @@ def _decode(cls: type[T], raw: dict[str, str]) -> T:
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in raw:
             kind = type(f.default) if f.default is not dataclasses.MISSING else str
-            kw[f.name] = kind(raw[f.name])
+            kw[f.name] = raw[f.name] == "True" if kind is bool else kind(raw[f.name])
     return cls(**kw)
 
 
@@ -208,6 +211,16 @@ class ClusterState:
                 log.info("re-registered", url=self.url)
             self._healthy = True
 
+    async def drain(self) -> None:
+        """Say that this worker takes nothing new (``WorkerRecord.draining``) and keep beating:
+        schedulers stop routing to it but let the calls it serves run to their end; a worker
+        that left the registry instead would have them cut as if it had hung."""
+        if self._record is None:
+            return
+        self._record = dataclasses.replace(self._record, draining=True)
+        with contextlib.suppress(*REDIS_DOWN):  # the next heartbeat writes it
+            await self._write()
+
     async def deregister(self) -> None:
         """Stop the heartbeat and delete the keys at once (Redis errors are ignored)."""
         record, self._record = self._record, None  # the heartbeat writes nothing more
@@ -221,8 +234,11 @@ class ClusterState:
             with contextlib.suppress(*REDIS_DOWN):
                 await self.redis.delete(self.key("worker", wid), self.key("load", wid))
 
-    async def workers(self, role: str | None = None) -> list[WorkerView]:
-        """Every live worker (of ``role``), sorted by worker id.
+    async def workers(
+        self, role: str | None = None, include_draining: bool = False
+    ) -> list[WorkerView]:
+        """Every live worker (of ``role``) that takes new work, sorted by worker id; with
+        ``include_draining`` also those that are stopping (see :meth:`drain`).
 
         Raises ClusterStateError when Redis cannot be reached.
         """
@@ -243,7 +259,7 @@ class ClusterState:
             if not rec:  # expired between SCAN and HGETALL
                 continue
             record = _decode(WorkerRecord, rec)
-            if role is None or record.role == role:
+            if (role is None or record.role == role) and (include_draining or not record.draining):
                 views.append(WorkerView(record, _decode(LoadReport, load) if load else None))
         return sorted(views, key=lambda v: v.record.worker_id)
 

@@ -220,7 +220,7 @@ class EngineWorker(Service):
         )  # fmt: skip
 
     async def drain(self) -> None:
-        await self.cluster.deregister()
+        await self.cluster.drain()
 
     async def close(self) -> None:
         """Subclasses close their transports first, then call this."""

@@ -32,6 +32,9 @@ from services.engine.step_planner import StepPlan, StepPlanner
 from services.engine.tokenizer import Tokenizer, load_tokenizer
 
 SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many group steps
+# prompt rows whose logits over the whole vocabulary are held at once (256 x DeepSeek-V3's 129k
+# in float32: 132 MB; a step's whole token budget would be gigabytes)
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -304,15 +307,18 @@ class Engine:
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[tuple[int, Request, int]]
     ) -> None:
-        """Append each row's next prompt token's logprob (and the top n) to its request."""
-        index = torch.tensor([row for row, _, _ in prompt_rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden[index]).cpu()
-        targets = torch.tensor([token for _, _, token in prompt_rows])
-        wanted = [req.params.prompt_logprobs for _, req, _ in prompt_rows]
-        entries = token_logprobs(logits, targets, wanted)
-        for (_, req, _), entry in zip(prompt_rows, entries, strict=True):
-            assert req.prompt_logprobs is not None and entry is not None
-            req.prompt_logprobs.append(entry)
+        """Append each row's next prompt token's logprob (and the top n) to its request, in
+        slices of PROMPT_LOGPROB_ROWS rows."""
+        for at in range(0, len(prompt_rows), PROMPT_LOGPROB_ROWS):
+            part = prompt_rows[at : at + PROMPT_LOGPROB_ROWS]
+            index = torch.tensor([row for row, _, _ in part], device=hidden.device)
+            logits = self.model.compute_logits(hidden[index]).cpu()
+            targets = torch.tensor([token for _, _, token in part])
+            wanted = [req.params.prompt_logprobs for _, req, _ in part]
+            entries = token_logprobs(logits, targets, wanted)
+            for (_, req, _), entry in zip(part, entries, strict=True):
+                assert req.prompt_logprobs is not None and entry is not None
+                req.prompt_logprobs.append(entry)
 
     def _finish(self, req: Request) -> None:
         self.planner.remove(req)

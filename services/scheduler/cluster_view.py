@@ -4,7 +4,8 @@ It reads the registry and load reports from Redis every ``refresh_s`` (never per
 what this scheduler has routed since each report, and keeps a short list of workers whose calls
 just failed (suspects) so that retries avoid them until their heartbeat key has expired. A call
 in flight can ``watch`` its worker: the event is set when that worker process leaves the
-registry (its heartbeat key expired: hung, or its host gone without closing the connection). When
+registry (its heartbeat key expired: hung, or its host gone without closing the connection; a
+worker that drains stays in it, marked draining, and gets nothing new). When
 Redis restarts (its run id changes) the registry is empty until the next heartbeats; for one
 TTL the view keeps the workers it knew, so a Redis restart is not an outage. Its PrefixIndex
 (fed from the workers' KV events by :func:`prefix_index.follow`) tells how much of a prompt each
@@ -46,7 +47,8 @@ class ClusterView:
         self.cluster = cluster
         self.refresh_s = refresh_s
         self.suspect_s = suspect_s
-        self._views: list[WorkerView] = []
+        self._every: list[WorkerView] = []  # draining workers included
+        self._views: list[WorkerView] = []  # those that take new work
         self._routed: dict[str, dict[int, _Routed]] = {}
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it failed
         self._ids = itertools.count()
@@ -59,17 +61,18 @@ class ClusterView:
     async def refresh(self) -> None:
         try:
             server_id = await self.cluster.server_id()
-            views = await self.cluster.workers()
+            views = await self.cluster.workers(include_draining=True)
             now = time.monotonic()
             if self._server_id and server_id != self._server_id:
                 log.warning("redis restarted; keeping known workers while they re-register")
                 self._restarted_at = now
             self._server_id = server_id
             if now - self._restarted_at < self.suspect_s:
-                views = _merge(views, self._views)
-            self._views = views
-            self.prefix.retain({v.record.worker_id for v in views})
-            self._mark_gone({v.record.process for v in views})
+                views = _merge(views, self._every)
+            self._every = views
+            self._views = [v for v in views if not v.record.draining]
+            self.prefix.retain({v.record.worker_id for v in self._views})
+            self._mark_gone({v.record.process for v in views})  # draining is not gone
             if self._redis_down:
                 log.info("cluster state reachable again")
             self._redis_down = False

@@ -31,7 +31,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -152,18 +152,22 @@ class Scheduler(Service):
         part, worker_rid = request, rid
         while True:
             try:
-                async for chunk in self._serve(part, worker_rid, route, resumed):
-                    if not sent.token_ids:
-                        metrics.TTFT.observe(time.perf_counter() - started)
-                    sent.add(chunk)
-                    chunk.request_id = rid  # not a moved part's worker-side id
-                    metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
-                    if chunk.finish_reason:
-                        if resumed is not None:  # usage of the whole request, not of this part
-                            sent.count_usage(chunk.usage, request)
-                        metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
-                        metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
-                    yield chunk
+                serving = self._serve(part, worker_rid, route, resumed)
+                async with contextlib.aclosing(serving) as chunks:
+                    async for chunk in chunks:
+                        if not sent.token_ids:
+                            metrics.TTFT.observe(time.perf_counter() - started)
+                        sent.add(chunk)
+                        chunk.request_id = rid  # not a moved part's worker-side id
+                        metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+                        if chunk.finish_reason:
+                            if resumed is not None:  # usage of the whole request, not of this part
+                                sent.count_usage(chunk.usage, request)
+                            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
+                            metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
+                        yield chunk
+                        if chunk.finish_reason:
+                            return  # what fails after the last chunk is not the client's
                 return
             except Failed as f:
                 if not (sent.moves < self.config.migration_limit and sent.token_ids
@@ -181,7 +185,7 @@ class Scheduler(Service):
     async def _serve(
         self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
         resumed: common_pb2.Resumed | None = None,
-    ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
+    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:  # fmt: skip
         """On an aggregated worker when there is one; else, or when every aggregated worker
         refused before streaming and there are prefill workers, prefill then decode."""
         if self.view.workers("aggregated"):
@@ -196,6 +200,8 @@ class Scheduler(Service):
                         metrics.PATHS.labels("aggregated").inc()
                         streamed = True
                     yield chunk
+                    if chunk.finish_reason:  # done: a failure after this one is not the client's
+                        return
                 return
             except Failed as f:
                 if streamed or f.code not in RETRYABLE or not self.view.workers("prefill"):

@@ -38,6 +38,7 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 256
 WORKER_ARGS = (
     f"--block-size {BLOCK_SIZE} --verify-checksum --transfer-timeout 5 --kv-probe-interval 1"
 )
+MIGRATING = '"event": "migrating"'  # the scheduler's log line when it moves a request
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +347,7 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
                                  num_kv_blocks=NUM_BLOCKS))  # fmt: skip
     (ref,) = engine.generate([prompt], seeded(11, n))
     assert (tokens, text, finish) == (ref.token_ids, ref.text, "length")
-    assert cluster_a.logged('"event": "migrating"')
+    assert cluster_a.logged(MIGRATING)
     if how is signal.SIGKILL:
         cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
     else:  # woken, it learns the call was cancelled and frees the request's blocks
@@ -395,7 +396,7 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     up` does not restart it, and new requests go to decode-1 (restarted by the test above)."""
     from protos import scheduler_pb2, scheduler_pb2_grpc
 
-    async def main() -> tuple[list[int], float, int]:
+    async def main() -> tuple[list[int], float, int, int]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             calls = [stub.Generate(scheduler_pb2.GenerateRequest(
@@ -405,19 +406,23 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
             for call in calls:  # the first token, then one from decode-0
                 counts.append(sum([len((await call.read()).token_ids) for _ in range(2)]))
             restarts = cluster_a.times_said("restarting decode-0")  # by the tests above
+            moves = cluster_a.times_logged(MIGRATING)
             cluster_a.signal("decode-0", signal.SIGTERM)
             signalled = time.monotonic()
             gone = lambda: "decode-0" not in {v.record.worker_id for v in cluster_a.views()}  # noqa: E731
-            await asyncio.to_thread(cluster_a.wait_for, "decode-0 deregistered", gone, 2.0)
+            await asyncio.to_thread(cluster_a.wait_for, "decode-0 draining", gone, 2.0)
             left_after = time.monotonic() - signalled
             for i, call in enumerate(calls):
                 while (chunk := await call.read()) is not grpc.aio.EOF:
                     counts[i] += len(chunk.token_ids)
-            return counts, left_after, restarts
+            return counts, left_after, restarts, cluster_a.times_logged(MIGRATING) - moves
 
-    counts, left_after, restarts = asyncio.run(asyncio.wait_for(main(), 60))
-    assert left_after < 1.0  # deregistered at once, not by expiry
+    counts, left_after, restarts, moved = asyncio.run(asyncio.wait_for(main(), 60))
+    assert left_after < 1.0  # routed to no more at once, not when its heartbeat expired
     assert counts == [64] * 4
+    # they ended on decode-0: a draining worker stays registered (marked draining), so the
+    # scheduler does not cut its calls as those of a worker that hung
+    assert moved == 0, cluster_a.log_tail()
     cluster_a.wait_for("decode-0 exited", lambda: cluster_a.said("decode-0 exited with code 0"), 30)
     results = run(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(4))

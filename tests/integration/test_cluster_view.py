@@ -1,5 +1,6 @@
 """ClusterView.watch against a real redis-server: a call in flight learns that its worker
-process left the registry (its heartbeat key expired, or another process took its id)."""
+process left the registry (its heartbeat key expired, or another process took its id), and not
+that it drains."""
 
 from __future__ import annotations
 
@@ -58,5 +59,36 @@ def test_a_watched_worker_that_stops_beating_or_is_replaced_is_marked_gone(
             await asyncio.gather(runner, return_exceptions=True)
             for state in (hung, replacement, reader):
                 await state.close()
+
+    asyncio.run(main())
+
+
+def test_a_draining_worker_gets_nothing_new_and_its_calls_are_not_cut(redis: RedisServer) -> None:
+    """drain() keeps the worker registered, marked draining: no longer a candidate, but a call
+    in flight on it runs on; when it then stops beating it is gone like any other."""
+
+    async def main() -> None:
+        worker = ClusterState(redis.url, "c", ttl_s=0.5, heartbeat_s=0.1)
+        await worker.register(_record("decode-0", 10), LoadReport)
+        reader = ClusterState(redis.url, "c")
+        view = ClusterView(reader, refresh_s=0.05)
+        await view.refresh()
+        (d0,) = (v.record for v in view.workers())
+        runner = asyncio.create_task(view.run())
+        try:
+            with view.watch(d0) as gone:
+                await worker.drain()
+                await asyncio.sleep(1.0)  # past the ttl: the heartbeat goes on while draining
+                assert view.workers() == [] and view.candidates("decode") == []
+                assert not gone.is_set()
+                (listed,) = await reader.workers(include_draining=True)
+                assert listed.record.draining and listed.record.process == d0.process
+                assert await reader.workers() == []
+                await worker.close()  # done: leaves the registry
+                await asyncio.wait_for(gone.wait(), 2.0)
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            await reader.close()
 
     asyncio.run(main())

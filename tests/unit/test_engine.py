@@ -126,10 +126,14 @@ def test_rejections(engine: Engine) -> None:
     _all_free_or_cached(engine)
 
 
-def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache() -> None:
-    """Chunked (32-token budget, a 100-token prompt) and with the prompt already cached: every
-    prompt token after the first gets the logprob of one forward over the whole prompt, then
-    the top 3; the cached prefix is computed again (it has no logits to give)."""
+def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunked (32-token budget, a 100-token prompt, logits 7 rows at a time) and with the
+    prompt already cached: every prompt token after the first gets the logprob of one forward
+    over the whole prompt, then the top 3; the cached prefix is computed again (it has no
+    logits to give)."""
+    monkeypatch.setattr("services.engine.engine.PROMPT_LOGPROB_ROWS", 7)
     engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256,
                                  max_num_batched_tokens=32))  # fmt: skip
     prompt = list(range(40, 140))
