@@ -9,6 +9,7 @@ non-streamed text.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import time
@@ -108,8 +109,6 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
         api = _Completions(backend, body, prompts)
-        api.echoed = [p if isinstance(p, str) else backend.tokenizer.decode(p, skip_special_tokens=False)
-                      for p in given]  # fmt: skip
         if body.stream:
             return _sse(api.stream(params))
         return JSONResponse(await api.complete(params))
@@ -244,7 +243,13 @@ class _Completions(_Api):
     object = chunk_object = "text_completion"
     prefix = "cmpl"
     body: CompletionRequest
-    echoed: list[str]  # each prompt's text, put before its choices' text when body.echo
+
+    @functools.cached_property
+    def echoed(self) -> list[str]:
+        """Each prompt's text, put before its choices' text when body.echo."""
+        decode = self.backend.tokenizer.decode
+        return [p if isinstance(p, str) else decode(p, skip_special_tokens=False)
+                for p in self.body.prompts()]  # fmt: skip
 
     def requested_top(self) -> int:
         return self.body.logprobs or 0

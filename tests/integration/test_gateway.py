@@ -155,7 +155,10 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, checkpoint:
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
         assert "".join(c.text for c in mine) == choice.text
         streamed = [x for c in mine for x in (c.logprobs.token_logprobs or [])]  # type: ignore[union-attr]
-        assert streamed == choice.logprobs.token_logprobs  # type: ignore[union-attr]
+        whole = choice.logprobs.token_logprobs  # type: ignore[union-attr]
+        # equal up to float rounding: the two prompts' prefills may batch differently this time
+        assert streamed[0] is None and whole[0] is None
+        assert streamed[1:] == pytest.approx(whole[1:], rel=1e-5, abs=1e-5)
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: Path) -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from infra.ports import free_port
-from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
+from infra.status import row
+from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
 from services.engine.model import load_model, prompt_logits
 from tests.redis_server import redis_server
 
@@ -91,6 +92,19 @@ def test_status_lists_registered_workers() -> None:
     assert "no workers registered in cluster 'other'" in empty.stdout
 
 
+def _health(draining: bool, age: float) -> str:
+    record = WorkerRecord("decode-0", "decode", "127.0.0.1:1", draining=draining)
+    load = LoadReport(total_kv_blocks=8, free_kv_blocks=6, updated_at=100.0)
+    return row(WorkerView(record, load), now=100.0 + age)[3]
+
+
+def test_status_health_says_whether_a_worker_beats_and_whether_it_drains() -> None:
+    assert _health(False, 0.5) == "ok"
+    assert _health(False, 5.0) == "stale 5s"
+    assert _health(True, 0.5) == "draining"
+    assert _health(True, 5.0) == "draining, stale 5s"
+
+
 def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
     from infra.cli import build_parser, cluster_spec
 
@@ -129,3 +143,40 @@ def test_ferry_up_needs_a_scheduler() -> None:
     with pytest.raises(ValueError, match="--schedulers 0: a cluster needs at least one"):
         cluster_spec(build_parser().parse_args(["up", "--schedulers", "0"]))
     assert cluster_spec(build_parser().parse_args(["up", "--schedulers", "3"])).schedulers == 3
+
+
+def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
+    from infra.cli import ROLES, build_parser, cluster_spec
+    from infra.flags import service_config
+
+    args = build_parser().parse_args(["up", "--keepalive", "20", "--heartbeat-ttl", "6"])
+    spec = cluster_spec(args)
+    for role in ROLES:
+        serve = build_parser().parse_args(["serve", role, *spec.serve_args[role]])
+        assert serve.keepalive == 20.0, role
+        if role != "gateway":  # the gateway is not in the registry
+            config = service_config(serve)
+            assert (config.ttl_s, config.heartbeat_s) == (6.0, 2.0), role
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (["--keepalive", "0.5"], "ferry up: keepalive 0.5 s: at least 1 s"),
+        (["--heartbeat-ttl", "0.1"], "ferry up: heartbeat TTL 0.1 s: at least 0.3 s"),
+        (["--decode-args", "--port 70000"], "ferry up: --worker-args / --decode-args: `ferry serve "
+         "decode` would refuse them: port=70000: must be 0..65535"),
+    ],
+)  # fmt: skip
+def test_ferry_up_refuses_values_a_service_would_refuse(given: list[str], message: str) -> None:
+    from infra.cli import build_parser, cluster_spec
+
+    with pytest.raises(ValueError) as refused:
+        cluster_spec(build_parser().parse_args(["up", *given]))
+    assert f"ferry up: {refused.value}" == message
+
+
+def test_serve_refuses_a_keepalive_below_a_second_as_a_usage_error() -> None:
+    run = _ferry("serve", "scheduler", "--keepalive", "0.5", "--port", str(free_port()))
+    assert run.returncode == 2
+    assert "ferry serve scheduler: keepalive 0.5 s: at least 1 s" in run.stderr
