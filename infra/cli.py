@@ -10,13 +10,20 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from gateway.backend import GatewayConfig
 from infra import flags
 from infra.launcher import WORKER_ROLES
 from infra.restarts import RESTART_MODES
+from services.common.channels import KEEPALIVE_S
+from services.common.config import ServiceConfig
+from services.common.worker import WorkerConfig
 from services.engine.model.presets import PRESETS
+from services.eplb_controller.service import EplbConfig
+from services.scheduler.service import SchedulerConfig
 
 if TYPE_CHECKING:
     from infra.launcher import ClusterSpec
+    from services.common.server import Service
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
 
@@ -30,44 +37,50 @@ def _export_preset(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.common import server
+    from services.common import channels, server
     from services.common.log import configure_logging
-    from services.common.server import Service
 
-    service: Service
-    if args.role == "gateway":
+    try:  # flags that no service could run with: a usage error, before anything starts
+        channels.configure(args.keepalive)
+        config = _role_config(args)
+    except ValueError as e:
+        print(f"ferry serve {args.role}: {e}", file=sys.stderr)
+        return 2
+    if isinstance(config, GatewayConfig):
         from gateway.server import main as serve_gateway
 
-        try:
-            config = flags.gateway_config(args)
-        except ValueError as e:
-            print(f"ferry serve gateway: {e}", file=sys.stderr)
-            return 2
         return serve_gateway(config, args.log_level)
+    cfg = config.service
+    configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
+    return server.main(cfg, _service(args.role, config))
+
+
+def _role_config(
+    args: argparse.Namespace,
+) -> GatewayConfig | SchedulerConfig | EplbConfig | WorkerConfig:
+    if args.role == "gateway":
+        return flags.gateway_config(args)
     if args.role == "scheduler":
+        return flags.scheduler_config(args)
+    if args.role == "eplb":
+        return flags.eplb_config(args)
+    return flags.worker_config(args)
+
+
+def _service(role: str, config: SchedulerConfig | EplbConfig | WorkerConfig) -> Service:
+    if isinstance(config, SchedulerConfig):
         from services.scheduler.service import Scheduler
 
-        sched = flags.scheduler_config(args)
-        cfg = sched.service
-        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
-        service = Scheduler(sched)
-    elif args.role == "eplb":
+        return Scheduler(config)
+    if isinstance(config, EplbConfig):
         from services.eplb_controller.service import EplbController
 
-        eplb = flags.eplb_config(args)
-        cfg = eplb.service
-        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
-        service = EplbController(eplb)
-    else:
-        from services.decode_worker.service import AggregatedWorker, DecodeWorker
-        from services.prefill_worker.service import PrefillWorker
+        return EplbController(config)
+    from services.decode_worker.service import AggregatedWorker, DecodeWorker
+    from services.prefill_worker.service import PrefillWorker
 
-        worker = flags.worker_config(args)
-        cfg = worker.service
-        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
-        kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}
-        service = kind[args.role](worker)
-    return server.main(cfg, service)
+    kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}
+    return kind[role](config)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -86,11 +99,16 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     flags of `ferry serve ROLE` (found now, not when every worker fails to start)."""
     from infra.launcher import ClusterSpec
     from infra.restarts import RestartPolicy
+    from services.common import channels
 
     if args.schedulers < 1:
         raise ValueError(f"--schedulers {args.schedulers}: a cluster needs at least one")
 
-    worker = ["--model", args.model, "--kv-transport", args.kv_transport,
+    channels.keepalive_ms(args.keepalive)  # ferry up's own flags: found as theirs
+    ServiceConfig(ttl_s=args.heartbeat_ttl)
+    keepalive = ["--keepalive", str(args.keepalive)]
+    beats = [*keepalive, "--heartbeat-ttl", str(args.heartbeat_ttl)]  # every registered service's
+    worker = [*beats, "--model", args.model, "--kv-transport", args.kv_transport,
               "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
@@ -102,16 +120,20 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         "gateway": [
             *("--model", args.model, "--api-key", args.api_key),
             *("--migration-limit", str(args.migration_limit)),
+            *keepalive,
         ],
         "scheduler": [
             *("--routing-policy", args.routing_policy),
             *("--migration-limit", str(args.migration_limit)),
+            *beats,
         ],
-        "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps)],
+        "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps), *beats],
     }
     for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
         serve_args[role] = [*worker, *shlex.split(getattr(args, f"{role}_args"))]
         _check_serve_flags(role, serve_args[role], f"--worker-args / --{role}-args")
+    for role in ("gateway", "scheduler", "eplb"):
+        _check_serve_flags(role, serve_args[role], "flags")
     return ClusterSpec(
         prefill=_pd_count(args.prefill, args.aggregated),
         decode=_pd_count(args.decode, args.aggregated), aggregated=args.aggregated,
@@ -124,10 +146,17 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
+    from services.common import channels
+
     try:
-        build_parser().parse_args(["serve", role, *extra])
+        args = build_parser().parse_args(["serve", role, *extra])
     except SystemExit:  # argparse has printed what is wrong
         raise ValueError(f"{source}: not flags of `ferry serve {role}` (see above)") from None
+    try:  # values that `ferry serve` would refuse
+        channels.keepalive_ms(args.keepalive)
+        _role_config(args)
+    except ValueError as e:
+        raise ValueError(f"{source}: `ferry serve {role}` would refuse them: {e}") from None
 
 
 def _pd_count(given: int | None, aggregated: int) -> int:
@@ -188,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
     flags.add(up, "--torch-threads", 1, "torch threads per worker")
+    flags.add(up, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
+    flags.add(up, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
     flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
     for role in WORKER_ROLES:
         flags.add(up, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from gateway.backend import GatewayConfig
+from services.common.channels import KEEPALIVE_S
 from services.common.config import ServiceConfig
 from services.common.worker import WorkerConfig
 from services.engine import EngineConfig
@@ -49,7 +50,15 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--redis-url", d.redis_url, "Redis holding the cluster state")
     add(p, "--cluster", d.cluster, "cluster name (Redis key prefix)")
     add(p, "--grace", d.grace_s, "seconds in-flight RPCs get on SIGTERM")
+    add(p, "--heartbeat-ttl", d.ttl_s, "seconds a worker's registry record outlives its last "
+        "heartbeat (it beats every TTL/3; a scheduler takes one whose record expired for hung)")  # fmt: skip
+    _add_keepalive(p)
     add(p, "--log-level", d.log_level, "log level", choices=["debug", "info", "warning", "error"])
+
+
+def _add_keepalive(p: argparse.ArgumentParser) -> None:
+    add(p, "--keepalive", KEEPALIVE_S, "seconds between pings on each gRPC connection; a peer "
+        "that does not answer within as long is taken for hung and its calls fail")  # fmt: skip
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -125,6 +134,7 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
     add(p, "--api-key", d.api_key, "require `Authorization: Bearer KEY` ('' : no auth)")
     add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
+    _add_keepalive(p)
     add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
 
 
@@ -146,7 +156,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         worker_id=args.worker_id, host=args.host, port=args.port,
         advertise_host=args.advertise_host, metrics_port=args.metrics_port,
         redis_url=args.redis_url, cluster=args.cluster, grace_s=args.grace,
-        log_level=args.log_level,
+        ttl_s=args.heartbeat_ttl, log_level=args.log_level,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -76,6 +77,17 @@ class Cluster:
     def times_logged(self, text: str) -> int:
         assert self.log is not None
         return self.log.read_text(errors="replace").count(text)
+
+    def events(self, event: str) -> list[dict[str, object]]:
+        """The children's log records (JSON lines) of ``event``."""
+        assert self.log is not None
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if f'"{event}"' in line and line.startswith("{"):
+                record = json.loads(line)
+                if record.get("event") == event:
+                    found.append(record)
+        return found
 
     def restarted(self, worker_id: str, timeout: float) -> int:
         """Wait until a process other than the one in ``pids`` registers as ``worker_id``;

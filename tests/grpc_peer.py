@@ -10,7 +10,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from services.common.channels import SERVER_OPTIONS
+from services.common.channels import server_options
 
 _PROCESS = """
 import asyncio, sys
@@ -27,7 +27,7 @@ asyncio.run(main())
 
 async def serve(port: int) -> grpc.aio.Server:
     """The health service on 127.0.0.1:``port``, with our servers' options."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=server_options())
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

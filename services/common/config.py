@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+MIN_TTL_S = 0.3
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -17,7 +19,8 @@ class ServiceConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     cluster: str = "default"  # Redis key prefix ferry:{cluster}:
     grace_s: float = 5.0  # on SIGTERM, in-flight RPCs get this long to finish
-    heartbeat_s: float = 1.0
+    # a worker's registry record lives this long after its last heartbeat, and a scheduler
+    # takes a worker whose record is gone for hung; every process of a cluster should agree
     ttl_s: float = 3.0
     log_level: str = "info"
 
@@ -28,10 +31,13 @@ class ServiceConfig:
             raise ValueError(f"metrics_port={self.metrics_port}: must be -1 (off) or 0..65535")
         if self.grace_s < 0:
             raise ValueError("grace_s must be >= 0")
-        if not 0 < self.heartbeat_s < self.ttl_s:
-            raise ValueError(
-                f"heartbeat_s={self.heartbeat_s} must be positive and below ttl_s={self.ttl_s}"
-            )
+        if self.ttl_s < MIN_TTL_S:
+            raise ValueError(f"heartbeat TTL {self.ttl_s} s: at least {MIN_TTL_S:g} s")
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Three heartbeats per TTL: a record outlives two that are late or lost."""
+        return self.ttl_s / 3
 
     def name_for(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

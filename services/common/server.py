@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.channels import SERVER_OPTIONS
+from services.common.channels import server_options
 from services.common.config import ServiceConfig
 from services.common.log import get_logger
 from services.common.metrics_http import start_metrics_server
@@ -48,7 +48,7 @@ class Service:
 def create_server(config: ServiceConfig, service: Service) -> tuple[grpc.aio.Server, int]:
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               *SERVER_OPTIONS]  # fmt: skip
+               *server_options()]  # fmt: skip
     server = grpc.aio.server(options=options)
     service.add_to_server(server)
     names = (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)

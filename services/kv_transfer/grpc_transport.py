@@ -12,7 +12,7 @@ import grpc
 
 from protos import kv_transfer_pb2 as pb
 from protos import kv_transfer_pb2_grpc as pb_grpc
-from services.common.channels import SERVER_OPTIONS, ChannelPool
+from services.common.channels import ChannelPool, server_options
 from services.kv_transfer.handle import LeaseNotFound, TransferError
 from services.kv_transfer.staging import as_bytes, checksum
 from services.kv_transfer.transport import KvSink, KvTransport, register
@@ -72,7 +72,7 @@ class GrpcTransport(KvTransport):
         self._channels = ChannelPool()
 
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._server = grpc.aio.server(options=server_options())
         pb_grpc.add_KvTransferServicer_to_server(_Servicer(exporter, self), self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         await self._server.start()

@@ -55,9 +55,11 @@ def redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def cluster_a(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
+    """Keepalive 60 s: a hung worker is found by its heartbeat key expiring (3 s), not by the
+    connection's pings (cluster B, at the 3 s default, is found by whichever comes first)."""
     with ferry_up(redis.url, "--prefill", "1", "--decode", "2", "--model", str(checkpoint),
                   "--num-kv-blocks", str(NUM_BLOCKS), "--worker-args", WORKER_ARGS,
-                  "--migration-limit", "1", cluster="a") as c:  # fmt: skip
+                  "--migration-limit", "1", "--keepalive", "60", cluster="a") as c:  # fmt: skip
         yield c
 
 
@@ -350,9 +352,10 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
     assert cluster_a.logged(MIGRATING)
     if how is signal.SIGKILL:
         cluster_a.restarted(busy, 60)  # the cluster whole again for the tests below
-    else:  # woken, it learns the call was cancelled and frees the request's blocks
-        # found by whichever comes first: its registry key expiring (the scheduler logs
-        # worker_gone and cuts the call) or the connection's keepalive (both ~3 s after the stop)
+    else:  # its registry key expired (cluster A's keepalive is 60 s): the scheduler cut the
+        # call; woken, the worker learns the call was cancelled and frees the request's blocks
+        gone = [e for e in cluster_a.events("worker_gone") if e["worker_id"] == busy]
+        assert gone and gone[-1]["pid"] == cluster_a.pids[busy], gone
         cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 10)
 
 

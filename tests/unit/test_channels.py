@@ -31,8 +31,8 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # gRPC's own reconnect back-off (1 s, growing), so that the old channel is surely in it
-    kept = [o for o in channels.OPTIONS if not o[0].endswith("reconnect_backoff_ms")]
-    monkeypatch.setattr(channels, "OPTIONS", kept)
+    kept = [o for o in channels.channel_options() if not o[0].endswith("reconnect_backoff_ms")]
+    monkeypatch.setattr(channels, "channel_options", lambda: kept)
 
     async def main() -> None:
         port = free_port()
@@ -61,12 +61,34 @@ def test_a_restarted_peer_gets_a_new_channel_that_works_at_once(
     asyncio.run(main())
 
 
+def test_keepalive_is_one_setting_of_the_process() -> None:
+    def ping_ms() -> set[int]:
+        names = (
+            "grpc.keepalive_time_ms",
+            "grpc.keepalive_timeout_ms",
+            "grpc.http2.ping_timeout_ms",
+        )
+        opts = [*channels.channel_options(), *channels.server_options()]
+        return {value for name, value in opts if name in names}
+
+    assert ping_ms() == {3000}
+    channels.configure(20)
+    try:
+        assert ping_ms() == {20000}
+        with pytest.raises(ValueError, match=r"keepalive 0\.5 s: at least 1 s"):
+            channels.configure(0.5)
+        assert ping_ms() == {20000}
+    finally:
+        channels.configure(channels.KEEPALIVE_S)
+
+
 def test_a_stream_from_a_peer_that_hangs_fails_unavailable() -> None:
     """A server process stopped (SIGSTOP) mid-stream sends nothing and closes nothing; our
-    channels' keepalive pings go unanswered and the stream fails UNAVAILABLE (5-6 s by hand;
-    a minute with gRPC's default ping timeout, hence the bound)."""
+    channels' keepalive pings (here every second) go unanswered and the stream fails
+    UNAVAILABLE (2-3 s; a minute with gRPC's default ping timeout, hence the bound)."""
     port = free_port()
     server = serve_in_process(port)
+    channels.configure(1)
 
     async def main() -> grpc.StatusCode:
         async with channels.open_channel(f"127.0.0.1:{port}") as channel:
@@ -82,6 +104,7 @@ def test_a_stream_from_a_peer_that_hangs_fails_unavailable() -> None:
     try:
         assert asyncio.run(main()) is grpc.StatusCode.UNAVAILABLE
     finally:
+        channels.configure(channels.KEEPALIVE_S)
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
         server.wait()
