@@ -116,7 +116,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
         backend.check_model(body.model)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         ids = backend.encode_chat(messages, body.add_generation_prompt)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
@@ -154,6 +154,8 @@ def _params(
     for name in _SAMPLING_FIELDS:
         if (value := getattr(body, name)) is not None:
             setattr(msg, name, value)
+    if body.logit_bias:  # the values' range is the engine's to check
+        msg.logit_bias.update({int(k): v for k, v in body.logit_bias.items()})
     if max_tokens is not None:
         msg.max_tokens = max_tokens
     if logprobs is not None:

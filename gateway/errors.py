@@ -3,6 +3,8 @@ scheduler's gRPC statuses become HTTP ones."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 from fastapi.responses import JSONResponse
 
@@ -10,7 +12,7 @@ from fastapi.responses import JSONResponse
 # the gateway reports them as the error's ``param``.
 PARAMS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "stop",
-          "stop_token_ids", "n")  # fmt: skip
+          "stop_token_ids", "n", "logit_bias")  # fmt: skip
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -55,9 +57,14 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# the scheduler names the worker that refused a request: "prefill worker prefill-0: ..."
+_WORKER = re.compile(r"^\w+ worker \S+: ")
+
+
 def from_grpc(code: grpc.StatusCode, details: str) -> OpenAIError:
     status, kind = _HTTP.get(code, (500, "internal_error"))
-    param = next((p for p in PARAMS if details.startswith(p + " ")), None)
-    if param is None and details.startswith(("prompt", "prompt_token_ids")):
+    what = _WORKER.sub("", details)
+    param = next((p for p in PARAMS if what.startswith(p + " ")), None)
+    if param is None and what.startswith(("prompt", "prompt_token_ids")):
         param = "prompt"
     return OpenAIError(status, details, kind, param, code.name.lower(), grpc_code=code)

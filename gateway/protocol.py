@@ -34,6 +34,8 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # OpenAI's: {"token id": bias in [-100, 100]}, JSON keys being strings
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stream: bool = False
@@ -42,6 +44,14 @@ class _Sampling(_Body):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k in value or {} if not k.strip().isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"key {bad!r} is not a token id (the keys are token ids, as strings)")
+        return value
 
 
 class CompletionRequest(_Sampling):
@@ -68,10 +78,35 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    # a string, or OpenAI's content parts ([{"type": "text", "text": ...}, ...], as LangChain and
+    # agent frameworks send); the model reads text only
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"a content part of type {kind!r}: this model reads text only "
+                                 "(give a string or parts of type 'text')")  # fmt: skip
+        return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: its content one string (text parts joined by
+        newlines, as vLLM joins them for text-only models)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "\n".join(part.text for part in self.content)
+        return out
 
 
 class ChatCompletionRequest(_Sampling):

@@ -40,7 +40,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         kw["skip_special_tokens"] = msg.skip_special_tokens
     return SamplingParams(
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-        min_tokens=msg.min_tokens, ignore_eos=msg.ignore_eos, **kw,  # type: ignore[arg-type]
+        logit_bias=tuple(msg.logit_bias.items()), min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -50,7 +51,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
     )  # fmt: skip
     for name in ("seed", "logprobs", "prompt_logprobs", "max_tokens"):
         value = getattr(p, name)

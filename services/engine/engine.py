@@ -123,6 +123,11 @@ class Engine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
         limit = self.max_model_len
         if params.max_tokens is None:
             if n >= limit:

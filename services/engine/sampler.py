@@ -1,7 +1,7 @@
 """Sampler: logits of the requests that produce a token this step -> tokens (+ logprobs).
 
 Order of operations (vLLM's): logprobs are taken from the raw logits; then min_tokens masks the
-stop tokens, penalties (repetition on prompt + output, presence / frequency on output), temperature,
+stop tokens, logit_bias is added, penalties (repetition on prompt + output, presence / frequency on output), temperature,
 top-k, top-p, min-p; then a token is drawn. Drawing uses the exponential race
 (argmax p / q, q ~ Exp(1)). A seeded request's draw for its i-th output token comes from a
 generator seeded with (seed, i), not from a stream the request carries along, so it draws the same
@@ -52,7 +52,7 @@ class Sampler:
 
     def _needs_logit_edits(self, req: Request) -> bool:
         p = req.params
-        return p.uses_penalties or len(req.output_token_ids) < p.min_tokens
+        return p.uses_penalties or bool(p.logit_bias) or len(req.output_token_ids) < p.min_tokens
 
     def _edit_logits(self, row: torch.Tensor, req: Request) -> None:
         p = req.params
@@ -60,6 +60,9 @@ class Sampler:
             stops = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
             if stops:
                 row[torch.tensor(stops)] = float("-inf")
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            row[torch.tensor(ids)] += torch.tensor(biases, dtype=row.dtype)
         vocab = row.shape[0]
         if p.repetition_penalty != 1:
             seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)

@@ -19,6 +19,9 @@ class SamplingParams:
     # None: none; n: each prompt token's (all but the first) plus the top n. Such a request
     # computes its whole prompt: a cached prefix has no logits to give.
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs, added to the logits before penalties and temperature; a dict is
+    # accepted. Logprobs are still those of the raw logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = 16  # None: until the model's length limit
@@ -32,6 +35,9 @@ class SamplingParams:
             self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop)
         )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        bad_bias = next(((t, b) for t, b in self.logit_bias if t < 0 or not -100 <= b <= 100), None)
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -52,6 +58,10 @@ class SamplingParams:
                 "prompt_logprobs must be in 0..20",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                bad_bias is None,
+                f"logit_bias {bad_bias}: token ids are >= 0 and biases in [-100, 100]",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

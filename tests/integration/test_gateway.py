@@ -97,6 +97,43 @@ def test_chat_completion_streaming_and_not(client: openai.OpenAI, checkpoint: Pa
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
 
 
+def test_chat_content_parts_read_as_their_text_joined(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """OpenAI's content parts (what LangChain and agent SDKs send) give the prompt of their
+    texts joined by newlines; a part the model cannot read is a 400 that names it."""
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "something."}]
+    kw = {"model": model_of(checkpoint), "max_completion_tokens": 6, "temperature": 0}
+    given = client.chat.completions.create(messages=[{"role": "user", "content": parts}], **kw)  # type: ignore[call-overload]
+    joined = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say\nsomething."}], **kw
+    )  # type: ignore[call-overload]
+    assert given.choices[0].message.content == joined.choices[0].message.content
+    assert given.usage and joined.usage  # the second's prompt is cached: compare the counts
+    assert given.usage.prompt_tokens == joined.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(messages=[{"role": "user", "content": [image]}], **kw)  # type: ignore[call-overload]
+    assert "messages.0.content" in str(refused.value)
+    assert "a content part of type 'image_url': this model reads text only" in str(refused.value)
+
+
+def test_logit_bias_steers_every_token_prefill_and_decode_alike(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """The prefill worker draws the first token and the decode worker the rest: both add the
+    bias. The logprobs stay those of the unbiased model."""
+    tok = load_tokenizer(checkpoint)
+    kw = {"model": model_of(checkpoint), "prompt": "The ferry", "max_tokens": 5, "logprobs": 0,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.completions.create(temperature=0, **kw)  # type: ignore[call-overload]
+    first = tok.encode(plain.choices[0].text)[-1]  # a token greedy decoding would not repeat
+    forced = client.completions.create(temperature=0.8, seed=3, logit_bias={str(first): 100}, **kw)  # type: ignore[call-overload]
+    lp = forced.choices[0].logprobs
+    assert lp is not None and lp.tokens == [tok.decode([first], skip_special_tokens=False)] * 5
+    assert lp.token_logprobs is not None and all(x < 0 for x in lp.token_logprobs)
+
+
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
           "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip
@@ -216,6 +253,10 @@ def test_models_health_and_metrics(
         ({"prompt": ["hi"] * 20, "n": 16}, openai.BadRequestError, "prompt"),
         ({"prompt": "x" * 2000}, openai.BadRequestError, "prompt"),
         ({"extra_body": {"not_a_field": 1}}, openai.BadRequestError, "not_a_field"),
+        ({"logit_bias": {"abc": 1}}, openai.BadRequestError, "logit_bias"),  # the gateway's
+        ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias"),  # the scheduler's
+        ({"logit_bias": {"99999": 1}}, openai.BadRequestError, "logit_bias"),  # the worker's
+        ({"prompt": [1, 99999]}, openai.BadRequestError, "prompt"),  # the worker's too
     ],
 )
 def test_errors_raise_the_matching_openai_exception(

@@ -61,6 +61,14 @@ def test_token_ids_in_and_seeded_sampling(cluster: Cluster) -> None:
     assert a.token_ids == b.token_ids and a.usage.prompt_tokens == 4
 
 
+def test_logit_bias_steers_the_draws(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        forced = client.complete([256, 10], max_tokens=4, temperature=1.0, logit_bias={42: 100})
+        (greedy,) = client.complete([256, 10], max_tokens=1, temperature=0).token_ids
+        banned = client.complete([256, 10], max_tokens=1, temperature=0, logit_bias={greedy: -100})
+    assert forced.token_ids == [42] * 4 and banned.token_ids != [greedy]
+
+
 def test_prompt_logprobs_come_with_the_first_chunk(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
         whole = client.complete([256, 10, 20, 30], max_tokens=3, prompt_logprobs=2)

@@ -20,7 +20,8 @@ def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_lim
 def test_sampling_params_round_trip() -> None:
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=11, max_tokens=33,
                        stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2, prompt_logprobs=0,
-                       presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True)  # fmt: skip
+                       presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True,
+                       logit_bias={7: 2.5, 3: -100.0})  # fmt: skip
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
 
 
@@ -32,6 +33,9 @@ def test_sampling_params_round_trip() -> None:
         ({"top_p": math.nan}, "top_p must be a finite number"),
         ({"temperature": -0.5}, "temperature must be >= 0"),
         ({"prompt_logprobs": 21}, "prompt_logprobs must be in 0..20"),
+        ({"logit_bias": {5: 101.0}}, r"logit_bias \(5, 101.0\): token ids are >= 0 and biases"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias \(-1, 1.0\)"),
+        ({"logit_bias": {2: math.nan}}, r"logit_bias \(2, nan\)"),
     ],
 )
 def test_bad_values_name_the_field(fields: dict[str, float], message: str) -> None:

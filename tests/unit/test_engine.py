@@ -110,6 +110,8 @@ def test_rejections(engine: Engine) -> None:
         engine.add_request("e", [], GREEDY)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("v", [1, 10_000], GREEDY)
+    with pytest.raises(ValueError, match="logit_bias token id 10000 is outside the vocabulary"):
+        engine.add_request("b", [1], SamplingParams(logit_bias={5: 1.0, 10_000: 1.0}))
     with pytest.raises(ValueError, match="exceeds the model's limit of 4096"):
         engine.add_request("l", [1] * 4000, SamplingParams(max_tokens=100))
     small = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=4))

@@ -63,6 +63,23 @@ def test_min_tokens_masks_stop_tokens() -> None:
     assert s(LOGITS, [req(p, out=[3, 3])]).token_ids == [1]
 
 
+def test_logit_bias_is_added_before_sampling_and_leaves_logprobs_raw() -> None:
+    s = Sampler(eos_token_ids=[], seed=2)
+    raw = torch.log_softmax(LOGITS[0], dim=-1)
+    forced = SamplingParams(temperature=0, logit_bias={4: 100.0}, logprobs=0)
+    out = s(LOGITS, [req(forced)])
+    assert out.token_ids == [4] and out.logprobs == [{4: float(raw[4])}]
+    banned = SamplingParams(temperature=0, logit_bias={1: -100.0, 2: -100.0})
+    assert s(LOGITS, [req(banned)]).token_ids == [3]
+    # sampled: the bias moves the distribution (2 over 1), and 1 is never drawn when banned
+    tilted = SamplingParams(temperature=1.0, logit_bias={1: -100.0, 3: 5.0})
+    seen = {s(LOGITS, [req(tilted)]).token_ids[0] for _ in range(100)}
+    assert 1 not in seen and 3 in seen
+    # a row without bias beside a biased one is untouched
+    both = s(LOGITS.repeat(2, 1), [req(forced), req(SamplingParams(temperature=0))])
+    assert both.token_ids == [4, 1]
+
+
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     s = Sampler(eos_token_ids=[])
     logits = torch.randn(33, 50, generator=torch.Generator().manual_seed(3))
