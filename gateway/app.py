@@ -27,7 +27,14 @@ from gateway import metrics
 from gateway.backend import Backend, GatewayConfig
 from gateway.body_limit import BodyLimit
 from gateway.errors import OpenAIError
-from gateway.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Sampling,
+)
 from gateway.streams import Choice, choices_of, merged, usage
 from protos import common_pb2
 
@@ -112,6 +119,25 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if body.stream:
             return _sse(api.stream(params))
         return JSONResponse(await api.complete(params))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the prompt's token ids (what a completion or chat request would be sent as)
+        and the context limit they count against."""
+        backend.check_model(body.model)
+        if body.messages is not None:
+            messages = [m.for_template() for m in body.messages]
+            ids = backend.encode_chat(messages, body.add_generation_prompt)
+        else:
+            ids = backend.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
+        strs = [backend.token_text(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": await backend.max_model_len(),
+                "tokens": ids, "token_strs": strs}  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        backend.check_model(body.model)
+        return {"prompt": backend.decode(body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:

@@ -92,6 +92,29 @@ class Backend:
         bos = self.chat_template.special.get("bos_token", "")
         return self.tokenizer.encode(text, add_bos=not (bos and text.startswith(bos)))
 
+    def decode(self, token_ids: list[int]) -> str:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"token id {bad} is outside the tokenizer's vocabulary "
+                              f"(0..{vocab - 1})", param="tokens")  # fmt: skip
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def max_model_len(self) -> int | None:
+        """The smallest length limit among the workers a request starts on (prefill and
+        aggregated), as the first scheduler that answers sees them; None when none answers or
+        no such worker is registered."""
+        for replica in self.schedulers.replicas:
+            try:
+                reply = await replica.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(),
+                                                         timeout=2)  # fmt: skip
+            except grpc.aio.AioRpcError:
+                continue
+            limits = [w.info.max_model_len for w in reply.workers
+                      if w.info.role in ("prefill", "aggregated") and w.info.max_model_len]  # fmt: skip
+            return min(limits, default=None)
+        return None
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
 MAX_CHOICES = 256  # prompts x n of one /v1/completions request
@@ -122,6 +122,29 @@ class ChatCompletionRequest(_Sampling):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a completion prompt, or chat messages as /v1/chat/completions would
+    render them."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a prompt's BOS (messages: the template decides)
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str
+    tokens: list[int]
 
 
 def _all(value: Any, kind: type) -> bool:

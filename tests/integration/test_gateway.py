@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -271,16 +272,51 @@ def test_errors_raise_the_matching_openai_exception(
     assert body["message"]
 
 
-def _post(url: str, data: bytes) -> tuple[int, dict[str, object]]:
+def _post(url: str, data: bytes, path: str = "/v1/completions") -> tuple[int, dict[str, Any]]:
     headers = {"Content-Type": "application/json"}
     if not isinstance(data, bytes):  # an iterable body goes out chunked
         headers["Transfer-Encoding"] = "chunked"
-    req = urllib.request.Request(url + "/v1/completions", data=data, headers=headers)
+    req = urllib.request.Request(url + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_tokenize_gives_the_ids_a_request_is_sent_as_and_detokenize_reverses_them(
+    client: openai.OpenAI, cluster: Cluster, checkpoint: Path
+) -> None:
+    """vLLM's /tokenize and /detokenize: a prompt's ids, a chat's ids as the chat request counts
+    them, and the context limit of the workers that requests start on."""
+    model, tok = model_of(checkpoint), load_tokenizer(checkpoint)
+
+    def post(path: str, **body: object) -> tuple[int, dict[str, Any]]:
+        return _post(cluster.gateway, json.dumps({"model": model, **body}).encode(), path)
+
+    status, out = post("/tokenize", prompt="The ferry", return_token_strs=True)
+    assert (
+        status == 200
+        and out["tokens"] == tok.encode("The ferry")
+        and out["count"] == len(out["tokens"])
+    )
+    assert out["token_strs"] == [tok.decode([t], skip_special_tokens=False) for t in out["tokens"]]
+    limits = [v.record.max_model_len for v in cluster.views("prefill")]
+    assert limits and out["max_model_len"] == min(limits)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Say something."}]}]
+    status, chat = post("/tokenize", messages=messages)
+    reply = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=1)  # type: ignore[arg-type]
+    assert status == 200 and reply.usage and chat["count"] == reply.usage.prompt_tokens
+    assert chat["token_strs"] is None
+    status, back = post("/detokenize", tokens=out["tokens"])
+    assert status == 200 and back == {
+        "prompt": tok.decode(out["tokens"], skip_special_tokens=False)
+    }
+    status, err = post("/detokenize", tokens=[1, 10**6])
+    assert status == 400 and err["error"]["param"] == "tokens"
+    assert "token id 1000000 is outside the tokenizer's vocabulary" in err["error"]["message"]
+    status, err = post("/tokenize")
+    assert status == 400 and "give either prompt or messages" in err["error"]["message"]
 
 
 def test_malformed_json_is_400(cluster: Cluster) -> None:
