@@ -24,6 +24,7 @@ from services.common.cluster_state import (
     WorkerRecord,
 )
 from services.common.config import ServiceConfig
+from services.common.engine_metrics import ENGINES
 from services.common.log import get_logger
 from services.common.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
 from services.common.placement_service import PlacementServicer
@@ -84,6 +85,7 @@ class EngineWorker(Service):
             torch.set_num_threads(config.torch_threads)
         self.worker_id = config.service.name_for(self.role)
         self.engine = AsyncEngine(self._engine(config))
+        ENGINES.add(self.worker_id, self.engine)
         svc = config.service
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.kv_address = ""
@@ -228,6 +230,7 @@ class EngineWorker(Service):
             if task is not None:
                 task.cancel()
         await self.cluster.close()
+        ENGINES.remove(self.worker_id)
         self.engine.shutdown()
         stop_service_threads()
 

@@ -180,8 +180,9 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 self._apply(adds, aborts)
-                self._deliver_all(self.engine.step())
-                self._load = self.engine.load()
+                outputs = self.engine.step()
+                self._load = self.engine.load()  # before the streams hear of what it finished
+                self._deliver_all(outputs)
         except BaseException as e:  # the engine is broken: fail every stream, then stop
             with self._cv:
                 self._error = e

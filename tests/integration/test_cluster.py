@@ -111,6 +111,10 @@ def test_every_service_serves_prometheus_metrics(cluster_a: Cluster) -> None:
             text = reply.read().decode()
         (line,) = [ln for ln in text.splitlines() if ln.startswith(expect[r.role])]
         assert float(line.split()[-1]) > 0, (r.worker_id, line)
+        if r.role != "scheduler":  # the engine's gauges, labelled with the worker's id
+            blocks = f'ferry_engine_kv_blocks{{worker="{r.worker_id}"}} '
+            (line,) = [ln for ln in text.splitlines() if ln.startswith(blocks)]
+            assert float(line.split()[-1]) == r.num_kv_blocks, line
 
 
 def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
