@@ -38,6 +38,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with what stopped it
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

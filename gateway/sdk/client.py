@@ -28,7 +28,8 @@ from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
-             "min_tokens", "ignore_eos", "logit_bias")  # fmt: skip
+             "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
+             "include_stop_str_in_output")  # fmt: skip
 
 
 def _request(
@@ -108,7 +109,8 @@ class FerryClient(_Base):
         """Stream chunks as they are generated. ``sampling``: max_tokens, temperature, top_p,
         top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs,
         prompt_logprobs (n: each prompt token's logprob after the first, plus the top n, on the
-        first chunk), min_tokens, ignore_eos, logit_bias ({token id: bias in [-100, 100]}).
+        first chunk), min_tokens, ignore_eos, logit_bias ({token id: bias in [-100, 100]}),
+        skip_special_tokens (True), include_stop_str_in_output (False).
         With ``stream=False`` the one chunk holds everything."""
         req = _request(prompt, model if model is not None else self.model, stop, sampling)
         chunks = self._stream(req)

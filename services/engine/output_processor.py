@@ -6,8 +6,11 @@ from services.engine.request import Request, RequestOutput
 
 
 class OutputProcessor:
-    """Stop strings are matched on the detokenized text and never emitted. Text that could still
-    be the start of a stop string is held back (``pending_text``) until it cannot be."""
+    """Stop strings are matched on the detokenized text. By default what stopped a request is
+    not emitted (neither a stop string nor the text of EOS or a stop token id), and text that
+    could still be the start of a stop string is held back (``pending_text``) until it cannot
+    be. With ``include_stop_str_in_output`` nothing is held back and the text ends with what
+    stopped it (vLLM's semantics)."""
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
@@ -27,13 +30,20 @@ class OutputProcessor:
             req.finish_reason = "stop"
         elif can_stop and token in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token
+        include = p.include_stop_str_in_output
+        if req.finish_reason == "stop" and not include:
+            return self._emit(req, req.pending_text + req.detokenizer.flush(), "")
         pending = req.pending_text + req.detokenizer.push([token])
         if p.stop and can_stop:
-            for stop in p.stop:
-                at = pending.find(stop)
+            # nothing is held back with include: a stop may begin in text already emitted
+            longest = max(len(s) for s in p.stop)
+            seen = req.text[-(longest - 1) :] if include and longest > 1 else ""
+            for stop in p.stop:  # (a match ends in the new text)
+                at = (seen + pending).find(stop, max(0, len(seen) - len(stop) + 1))
                 if at >= 0:
                     req.finish_reason, req.stop_reason = "stop", stop
-                    return self._emit(req, pending[:at], "")
+                    end = at + len(stop) - len(seen) if include else at
+                    return self._emit(req, pending[:end], "")
         if req.finish_reason is None and (
             (p.max_tokens is not None and n_out >= p.max_tokens)
             or req.num_tokens >= req.max_total_tokens
@@ -41,7 +51,7 @@ class OutputProcessor:
             req.finish_reason = "length"
         if req.finish_reason is not None:
             return self._emit(req, pending + req.detokenizer.flush(), "")
-        hold = max((len(s) for s in p.stop), default=1) - 1
+        hold = 0 if include else max((len(s) for s in p.stop), default=1) - 1
         cut = max(0, len(pending) - hold)
         return self._emit(req, pending[:cut], pending[cut:])
 

@@ -28,6 +28,9 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # the text of what stopped the request (a stop string; EOS or a stop token id) ends the
+    # output text; by default it is left out, as in vLLM
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted and stored as tuples so the params stay hashable and immutable.

@@ -135,6 +135,40 @@ def test_logit_bias_steers_every_token_prefill_and_decode_alike(
     assert lp.token_logprobs is not None and all(x < 0 for x in lp.token_logprobs)
 
 
+def test_skip_special_tokens_and_include_stop_str_in_output(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """vLLM's two text options, on the prefill and the decode worker alike: BOS forced by
+    logit_bias is left out of the text unless skip_special_tokens is false; a stop token's
+    text and a stop string end the text only with include_stop_str_in_output."""
+    tok = load_tokenizer(checkpoint)
+    bos = tok.decode([256], skip_special_tokens=False)
+    kw = {"model": model_of(checkpoint), "prompt": "The ferry", "max_tokens": 3,
+          "temperature": 0, "logit_bias": {"256": 100}}  # fmt: skip
+
+    def text(**extra: object) -> tuple[str, str | None]:
+        choice = client.completions.create(**kw, extra_body={"ignore_eos": True, **extra}).choices[
+            0
+        ]  # type: ignore[call-overload]
+        return choice.text, choice.finish_reason
+
+    assert text() == ("", "length") and text(skip_special_tokens=False) == (bos * 3, "length")
+    # min_tokens keeps BOS out of the first two tokens: the decode worker draws the stop
+    stopped = {"skip_special_tokens": False, "stop_token_ids": [256], "min_tokens": 2}
+    first_two, reason = text(**stopped)
+    assert reason == "stop" and first_two and bos not in first_two
+    assert text(**stopped, include_stop_str_in_output=True) == (first_two + bos, "stop")
+    del kw["logit_bias"]
+    kw["max_tokens"] = 12
+    plain, _ = text()
+    stop = next(
+        plain[i : i + 2] for i in range(3, len(plain) - 2) if plain[i : i + 2].isprintable()
+    )
+    end = plain.index(stop)
+    assert text(stop=stop) == (plain[:end], "stop")
+    assert text(stop=stop, include_stop_str_in_output=True) == (plain[: end + 2], "stop")
+
+
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
           "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip

@@ -21,7 +21,8 @@ def test_sampling_params_round_trip() -> None:
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=11, max_tokens=33,
                        stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2, prompt_logprobs=0,
                        presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True,
-                       logit_bias={7: 2.5, 3: -100.0})  # fmt: skip
+                       logit_bias={7: 2.5, 3: -100.0}, skip_special_tokens=False,
+                       include_stop_str_in_output=True)  # fmt: skip
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
 
 

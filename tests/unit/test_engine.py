@@ -79,6 +79,41 @@ def test_stop_token_and_min_tokens(engine: Engine) -> None:
     assert len(late.token_ids) >= 3 and base.token_ids[0] not in late.token_ids[:3]
 
 
+def _streamed(engine: Engine, prompt: str, params: SamplingParams) -> tuple[str, str]:
+    """The deltas joined, and the final output's text."""
+    engine.add_request("streamed", engine.tokenizer.encode(prompt), params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.delta_text
+    return text, out.text
+
+
+def test_include_stop_str_in_output(engine: Engine) -> None:
+    """vLLM's include_stop_str_in_output: the stop string ends the text (text after it in the
+    same token is cut), and a stop token's text is emitted; by default neither is."""
+    base = engine.generate(
+        ["stop strings"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )[0]
+    text = base.text
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    cut = text.index(stop) + len(stop)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "never seen"],
+                       include_stop_str_in_output=True)  # fmt: skip
+    streamed, whole = _streamed(engine, "stop strings", p)
+    assert streamed == whole == text[:cut]
+    ids = base.token_ids
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    for include in (False, True):
+        p = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
+                           include_stop_str_in_output=include)  # fmt: skip
+        streamed, whole = _streamed(engine, "stop strings", p)
+        want = engine.tokenizer.decode(ids[: first + include])
+        assert streamed == whole == want, include
+    _all_free_or_cached(engine)
+
+
 def test_logprobs_and_incremental_step_outputs(engine: Engine) -> None:
     engine.add_request(
         "lp", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
