@@ -178,7 +178,8 @@ def _params(
     msg = common_pb2.SamplingParams(stop=body.stops(), stop_token_ids=body.stop_token_ids or [],
                                     min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
                                     skip_special_tokens=body.skip_special_tokens,
-                                    include_stop_str_in_output=body.include_stop_str_in_output)  # fmt: skip
+                                    include_stop_str_in_output=body.include_stop_str_in_output,
+                                    priority=body.priority)  # fmt: skip
     for name in _SAMPLING_FIELDS:
         if (value := getattr(body, name)) is not None:
             setattr(msg, name, value)

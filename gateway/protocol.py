@@ -40,6 +40,8 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with what stopped it
+    # vLLM's: lower is admitted first and preempted last on each worker (a 32-bit integer)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -42,6 +42,7 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(msg.logit_bias.items()), min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+        priority=msg.priority,
         **kw,  # type: ignore[arg-type]
     )  # fmt: skip
 
@@ -50,7 +51,7 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens,
         ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output,
+        include_stop_str_in_output=p.include_stop_str_in_output, priority=p.priority,
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),

@@ -33,6 +33,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_preemptions: int = 0
+    arrival: int = 0  # its place in its engine's arrival order (the planner numbers them)
     hand_off: bool = False  # prefill role: stop after the first token and keep the KV for export
     text: str = ""  # emitted text (stop strings excluded)
     pending_text: str = ""  # decoded but held back: may be the start of a stop string

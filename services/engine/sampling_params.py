@@ -31,6 +31,10 @@ class SamplingParams:
     # the text of what stopped the request (a stop string; EOS or a stop token id) ends the
     # output text; by default it is left out, as in vLLM
     include_stop_str_in_output: bool = False
+    # scheduling, not sampling (it rides here to reach every worker a request runs on): a
+    # worker admits waiting requests in (priority, arrival) order and preempts the last in it
+    # first; lower runs first, as in vLLM's priority policy. All equal: first come first served
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted and stored as tuples so the params stay hashable and immutable.
@@ -61,6 +65,7 @@ class SamplingParams:
                 "prompt_logprobs must be in 0..20",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (-(2**31) <= self.priority < 2**31, "priority must be a 32-bit integer"),
             (
                 bad_bias is None,
                 f"logit_bias {bad_bias}: token ids are >= 0 and biases in [-100, 100]",

@@ -2,14 +2,18 @@
 
 vLLM-v1 style: there is no separate prefill phase. Every step first continues the running
 requests in order (a decode token, or the next chunk of a long prompt), then admits waiting
-requests first-come-first-served, all under ``max_num_batched_tokens`` and ``max_num_seqs``.
-When the cache runs out of blocks, the youngest running request is preempted: its blocks are
-freed and it waits to recompute its prompt and outputs (its prefix is usually still cached).
+requests in order, all under ``max_num_batched_tokens`` and ``max_num_seqs``. The order is
+(``params.priority``, arrival): lower priorities first, first come first served among equals
+(vLLM's priority policy; with every priority 0, plain FCFS). When the cache runs out of
+blocks, the last running request in that order (the lowest priority, then the youngest) is
+preempted: its blocks are freed and it waits to recompute its prompt and outputs (its prefix
+is usually still cached).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from services.engine.kv_cache import KVCacheManager
@@ -35,14 +39,17 @@ class StepPlanner:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # in order (see _order)
+        self.running: list[Request] = []  # put in order at the start of every plan
+        self._arrivals = itertools.count()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        req.arrival = next(self._arrivals)
+        bisect.insort(self.waiting, req, key=_order)
 
     def add_running(self, req: Request) -> None:
         """A request that already holds the blocks of its computed tokens (an imported KV)."""
+        req.arrival = next(self._arrivals)
         req.status = Status.RUNNING
         self.running.append(req)
 
@@ -66,6 +73,7 @@ class StepPlanner:
         return plan
 
     def _continue_running(self, plan: StepPlan, budget: int) -> int:
+        self.running.sort(key=_order)  # (stable; already in order unless one was added)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -89,7 +97,7 @@ class StepPlanner:
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
-        self.waiting.appendleft(req)
+        bisect.insort(self.waiting, req, key=_order)  # (before the younger of its priority)
         plan.preempted.append(req)
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
@@ -100,8 +108,8 @@ class StepPlanner:
                 num_cached = len(cached[0]) * self.kv.block_size
                 num_new = min(req.num_tokens - num_cached, budget)
                 if not self.kv.allocate(req, num_new, cached):
-                    break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                    break  # nobody overtakes the head of the queue
+            self.waiting.pop(0)
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = num_cached
@@ -110,3 +118,7 @@ class StepPlanner:
             plan.requests.append(req)
             plan.num_new_tokens.append(num_new)
             budget -= num_new
+
+
+def _order(req: Request) -> tuple[int, int]:
+    return req.params.priority, req.arrival

@@ -292,6 +292,7 @@ def test_models_health_and_metrics(
         ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias"),  # the scheduler's
         ({"logit_bias": {"99999": 1}}, openai.BadRequestError, "logit_bias"),  # the worker's
         ({"prompt": [1, 99999]}, openai.BadRequestError, "prompt"),  # the worker's too
+        ({"extra_body": {"priority": 2**31}}, openai.BadRequestError, "priority"),
     ],
 )
 def test_errors_raise_the_matching_openai_exception(

@@ -22,7 +22,7 @@ def test_sampling_params_round_trip() -> None:
                        stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2, prompt_logprobs=0,
                        presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True,
                        logit_bias={7: 2.5, 3: -100.0}, skip_special_tokens=False,
-                       include_stop_str_in_output=True)  # fmt: skip
+                       include_stop_str_in_output=True, priority=-3)  # fmt: skip
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
 
 

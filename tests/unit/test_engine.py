@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -128,6 +130,36 @@ def test_logprobs_and_incremental_step_outputs(engine: Engine) -> None:
     assert out.logprobs is not None and len(out.logprobs) == 5
     for token, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert token in lp and 3 <= len(lp) <= 4 and lp[token] == max(lp.values())
+
+
+def test_priority_orders_admission_and_preemption() -> None:
+    """Lower priority values are admitted first and preempted last; equal ones stay FCFS."""
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=8, max_num_seqs=1))
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("first", [5] * 20, p)
+    engine.step()  # "first" runs; the rest wait for its one seat
+    for rid, priority in (("b", 0), ("c", -1), ("d", 0), ("e", -1)):
+        engine.add_request(rid, [6] * 20, replace(p, priority=priority))
+    started: list[str] = []
+    while engine.has_unfinished_requests():
+        started += [o.request_id for o in engine.step() if o.request_id not in started]
+    assert started == ["first", "c", "e", "b", "d"]
+
+    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=8))
+    grow = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("low", [7] * 40, replace(grow, priority=5))
+    low = engine.requests["low"]
+    engine.step()
+    engine.add_request("high", [8] * 40, grow)  # younger, but ahead in priority
+    high = engine.requests["high"]
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    # both need 7 of the 8 blocks: one is preempted, and it is the one of lower priority
+    assert low.num_preemptions > 0 and high.num_preemptions == 0
+    assert len(outs["low"].token_ids) == len(outs["high"].token_ids) == 60
+    engine.check_integrity()
 
 
 def test_abort_frees_blocks(engine: Engine) -> None:
