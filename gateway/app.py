@@ -183,6 +183,8 @@ def _params(
     for name in _SAMPLING_FIELDS:
         if (value := getattr(body, name)) is not None:
             setattr(msg, name, value)
+    if (structured := body.structured()) is not None:
+        msg.structured_output.CopyFrom(structured)
     if body.logit_bias:  # the values' range is the engine's to check
         msg.logit_bias.update({int(k): v for k, v in body.logit_bias.items()})
     if max_tokens is not None:

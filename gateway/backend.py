@@ -149,7 +149,7 @@ class Backend:
                             return
                 return
             except grpc.aio.AioRpcError as e:
-                if not replica.dropped(e):
+                if not await replica.dropped(e):
                     raise from_grpc(e.code(), e.details() or "") from e
                 if streamed and sent.moves < self.config.migration_limit:
                     sent.moves += 1

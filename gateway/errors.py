@@ -67,4 +67,6 @@ def from_grpc(code: grpc.StatusCode, details: str) -> OpenAIError:
     param = next((p for p in PARAMS if what.startswith(p + " ")), None)
     if param is None and what.startswith(("prompt", "prompt_token_ids")):
         param = "prompt"
+    if param is None and what.startswith("structured output"):
+        param = "response_format"  # (or structured_outputs: the message names the kind)
     return OpenAIError(status, details, kind, param, code.name.lower(), grpc_code=code)

@@ -4,9 +4,12 @@ SamplingParams and come back from the scheduler as INVALID_ARGUMENT; here only t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protos import common_pb2
 
 MAX_N = 16
 MAX_CHOICES = 256  # prompts x n of one /v1/completions request
@@ -18,6 +21,44 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchema(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's: free text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("give json_schema exactly when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON Schema
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [k for k, v in self.model_dump(by_alias=True).items() if v not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) or 'none'})")  # fmt: skip
+        return self
 
 
 class _Sampling(_Body):
@@ -42,6 +83,35 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with what stopped it
     # vLLM's: lower is admitted first and preempted last on each worker (a 32-bit integer)
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="after")
+    def _one_format(self) -> _Sampling:
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured(self) -> common_pb2.StructuredOutput | None:
+        """What the output must match, as the workers take it; None: free text."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.json_schema is not None:
+            return common_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+        if fmt is not None and fmt.type == "json_object":
+            return common_pb2.StructuredOutput(json_object=True)
+        if so is None:
+            return None
+        if so.json_ is not None:
+            schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+            return common_pb2.StructuredOutput(json_schema=schema)
+        if so.choice is not None:
+            return common_pb2.StructuredOutput(choice=common_pb2.Choices(values=so.choice))
+        if so.regex is not None:
+            return common_pb2.StructuredOutput(regex=so.regex)
+        if so.grammar is not None:
+            return common_pb2.StructuredOutput(grammar=so.grammar)
+        return common_pb2.StructuredOutput(json_object=True)
+
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -17,6 +18,8 @@ import grpc
 from gateway.errors import OpenAIError
 from protos import scheduler_pb2_grpc
 from services.common.channels import open_channel
+
+DROP_SETTLE_S = 0.2  # how long a failed call waits to see its connection go
 
 
 class Replica:
@@ -30,10 +33,19 @@ class Replica:
         """READY; asks an idle channel to connect, so the next look may find it up."""
         return self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY
 
-    def dropped(self, error: grpc.aio.AioRpcError) -> bool:
+    async def dropped(self, error: grpc.aio.AioRpcError) -> bool:
         """The call failed because the connection went (the scheduler died or is restarting),
-        not because the scheduler answered UNAVAILABLE itself (its connection is still up)."""
-        return error.code() is grpc.StatusCode.UNAVAILABLE and not self.connected()
+        not because the scheduler answered UNAVAILABLE itself (its connection is still up).
+        A reset stream can fail UNKNOWN ("Stream removed"), and the call can hear of the lost
+        connection before the channel does: the channel gets DROP_SETTLE_S to leave READY."""
+        if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+            return False
+        deadline = time.monotonic() + DROP_SETTLE_S
+        while self.connected():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:

@@ -29,7 +29,7 @@ from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
              "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-             "include_stop_str_in_output", "priority")  # fmt: skip
+             "include_stop_str_in_output", "priority", "structured_output")  # fmt: skip
 
 
 def _request(
@@ -111,7 +111,9 @@ class FerryClient(_Base):
         prompt_logprobs (n: each prompt token's logprob after the first, plus the top n, on the
         first chunk), min_tokens, ignore_eos, logit_bias ({token id: bias in [-100, 100]}),
         skip_special_tokens (True), include_stop_str_in_output (False), priority (0; lower is
-        admitted first and preempted last on each worker).
+        admitted first and preempted last on each worker), structured_output (one of
+        {"json_schema": "<schema JSON>"}, {"json_object": True}, {"regex": ...},
+        {"choice": {"values": [...]}}, {"grammar": "<EBNF>"}).
         With ``stream=False`` the one chunk holds everything."""
         req = _request(prompt, model if model is not None else self.model, stop, sampling)
         chunks = self._stream(req)

@@ -11,7 +11,7 @@ import math
 from protos import common_pb2 as pb
 from protos import decode_worker_pb2, prefill_worker_pb2
 from services.engine.request import RequestOutput, Resumed
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -38,6 +38,8 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         raise ValueError(f"max_tokens must be at least 1, got {msg.max_tokens}")
     if msg.HasField("skip_special_tokens"):
         kw["skip_special_tokens"] = msg.skip_special_tokens
+    if msg.HasField("structured_output"):
+        kw["structured_output"] = structured_output_from_pb(msg.structured_output)
     return SamplingParams(
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(msg.logit_bias.items()), min_tokens=msg.min_tokens,
@@ -60,6 +62,28 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         value = getattr(p, name)
         if value is not None:
             setattr(msg, name, value)
+    if p.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_pb(p.structured_output))
+    return msg
+
+
+def structured_output_from_pb(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output: set one of json_schema, json_object, regex, choice, "
+                         "grammar")  # fmt: skip
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.values))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def structured_output_to_pb(s: StructuredOutput) -> pb.StructuredOutput:
+    if s.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(values=s.choices))
+    if s.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    msg = pb.StructuredOutput()
+    setattr(msg, s.kind, s.spec)  # json_schema, regex, grammar: the text
     return msg
 
 

@@ -29,6 +29,7 @@ from services.engine.request import ImportedKv, Request, RequestOutput, Resumed,
 from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
+from services.engine.structured import Grammars
 from services.engine.tokenizer import Tokenizer, load_tokenizer
 
 SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many group steps
@@ -108,6 +109,7 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.outputs = OutputProcessor(self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._generate_calls = itertools.count()
         self.num_preemptions = 0
@@ -165,6 +167,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         total = self.validate(prompt_token_ids, params)
+        spec = params.structured_output
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -173,6 +176,7 @@ class Engine:
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             hand_off=hand_off,
+            matcher=None if spec is None else self.grammars.matcher(spec),
         )
         if resumed is not None:
             self._resume(req, resumed)
@@ -196,7 +200,12 @@ class Engine:
             raise ValueError(f"resumed.num_output_tokens is {k}; it must be 1..{n - 1} "
                              f"(the prompt has {n} tokens)")  # fmt: skip
         req.num_resumed = k
-        text = req.detokenizer.push(req.prompt_token_ids[n - k :])
+        generated = req.prompt_token_ids[n - k :]
+        if req.matcher is not None and not all(req.matcher.accept_token(t) for t in generated):
+            raise ValueError(
+                "the tokens generated before the move do not fit its structured output"
+            )
+        text = req.detokenizer.push(generated)
         cut = min(resumed.num_emitted_chars, len(text))
         req.text, req.pending_text = text[:cut], text[cut:]
 

@@ -26,7 +26,13 @@ class OutputProcessor:
             req.logprobs.append(logprobs)
         n_out = len(req.output_token_ids)
         can_stop = n_out >= p.min_tokens
-        if can_stop and not p.ignore_eos and token in self.eos_token_ids:
+        if req.matcher is not None and (
+            not req.matcher.accept_token(token) or req.matcher.is_terminated()
+        ):
+            # the grammar is complete and this is its EOS (the mask allowed nothing else; a
+            # token it refuses can only be a replayed one, and ends the request too)
+            req.finish_reason = "stop"
+        elif can_stop and not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
         elif can_stop and token in p.stop_token_ids:
             req.finish_reason, req.stop_reason = "stop", token

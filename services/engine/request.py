@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from services.engine.structured import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -42,6 +45,7 @@ class Request:
     prompt_logprobs: list[dict[int, float]] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    matcher: GrammarMatcher | None = None  # params.structured_output's state (structured.py)
 
     @property
     def all_token_ids(self) -> list[int]:

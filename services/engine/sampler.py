@@ -1,7 +1,8 @@
 """Sampler: logits of the requests that produce a token this step -> tokens (+ logprobs).
 
 Order of operations (vLLM's): logprobs are taken from the raw logits; then min_tokens masks the
-stop tokens, logit_bias is added, penalties (repetition on prompt + output, presence / frequency on output), temperature,
+stop tokens, logit_bias is added, penalties (repetition on prompt + output, presence / frequency
+on output), a structured output's grammar masks the tokens it does not allow, temperature,
 top-k, top-p, min-p; then a token is drawn. Drawing uses the exponential race
 (argmax p / q, q ~ Exp(1)). A seeded request's draw for its i-th output token comes from a
 generator seeded with (seed, i), not from a stream the request carries along, so it draws the same
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.request import Request
+from services.engine.structured import mask_logits
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,15 @@ class Sampler:
         return SampleResult(tokens.tolist(), self._logprobs(logits, tokens, reqs))
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        if all(r.params.greedy and not self._needs_logit_edits(r) for r in reqs):
+        structured = any(r.matcher is not None for r in reqs)
+        if not structured and all(r.params.greedy and not self._needs_logit_edits(r) for r in reqs):
             return logits.argmax(dim=-1)
         logits = logits.clone()
         for row, req in enumerate(reqs):
             if self._needs_logit_edits(req):
                 self._edit_logits(logits[row], req)
+        if structured:
+            mask_logits(logits, [r.matcher for r in reqs])
         greedy = torch.tensor([r.params.greedy for r in reqs])
         temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in reqs])
         scaled = logits / temps[:, None]

@@ -3,6 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_schema", "json_object", "regex", "choice",
+                                                 "grammar")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (vLLM's structured outputs; see ``structured.py``)."""
+
+    kind: StructuredKind
+    spec: str = ""  # json_schema: the schema as JSON text; regex; grammar: EBNF
+    choices: tuple[str, ...] = ()  # choice: the output is exactly one of these
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind {self.kind!r}: one of {STRUCTURED_KINDS}")
+        if self.kind == "choice" and not (self.choices and all(self.choices)):
+            raise ValueError("structured output (choice): give at least one non-empty choice")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise ValueError(f"structured output ({self.kind}) is empty")
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,7 @@ class SamplingParams:
     # worker admits waiting requests in (priority, arrival) order and preempts the last in it
     # first; lower runs first, as in vLLM's priority policy. All equal: first come first served
     priority: int = 0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted and stored as tuples so the params stay hashable and immutable.
@@ -66,6 +90,11 @@ class SamplingParams:
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (-(2**31) <= self.priority < 2**31, "priority must be a 32-bit integer"),
+            (
+                self.structured_output is None or self.min_tokens == 0,
+                "min_tokens cannot be combined with a structured output (the grammar may "
+                "allow only EOS before min_tokens)",
+            ),
             (
                 bad_bias is None,
                 f"logit_bias {bad_bias}: token ids are >= 0 and biases in [-100, 100]",

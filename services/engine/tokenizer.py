@@ -10,7 +10,10 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import tokenizers
 
 
 class Tokenizer(Protocol):
@@ -99,6 +102,11 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+
+    @property
+    def hf(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` itself (for libraries that read its vocabulary)."""
+        return self._tok
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids

@@ -4,6 +4,7 @@ cluster (redis-server, prefill, decode, scheduler and gateway processes)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,52 @@ def test_skip_special_tokens_and_include_stop_str_in_output(
     end = plain.index(stop)
     assert text(stop=stop) == (plain[:end], "stop")
     assert text(stop=stop, include_stop_str_in_output=True) == (plain[: end + 2], "stop")
+
+
+def test_response_format_and_structured_outputs_constrain_the_text(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """OpenAI's response_format and vLLM's structured_outputs reach the prefill worker (the
+    first token) and the decode worker (the rest, its grammar state replayed from the first)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "tag"],
+              "properties": {"ok": {"type": "boolean"},
+                             "tag": {"type": "string", "pattern": "^[a-z]{1,5}$"}}}  # fmt: skip
+    model = model_of(checkpoint)
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "JSON please"}], seed=seed,
+            temperature=1.0, max_completion_tokens=100, response_format=fmt,  # type: ignore[arg-type]
+        )  # fmt: skip
+        choice = reply.choices[0]
+        value = json.loads(choice.message.content or "")
+        assert choice.finish_reason == "stop" and set(value) == {"ok", "tag"}, value
+        assert isinstance(value["ok"], bool) and re.fullmatch("[a-z]{1,5}", value["tag"])
+    kw = {"model": model, "prompt": "Pick:", "max_tokens": 20, "temperature": 1.0, "n": 4,
+          "seed": 1}  # fmt: skip
+    picks = client.completions.create(
+        **kw, extra_body={"structured_outputs": {"choice": ["left", "right"]}}
+    )  # type: ignore[call-overload]
+    assert {c.text for c in picks.choices} <= {"left", "right"}
+    streamed = client.completions.create(**kw, stream=True,  # type: ignore[call-overload]
+                                         extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert all(re.fullmatch("[0-9]{3}", t) for t in texts), texts
+    for extra, param, message in [
+        ({"structured_outputs": {"regex": "(ab"}}, "response_format", "(regex) does not compile"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, None, "exactly one of"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+         None, "not both"),
+        ({"response_format": {"type": "json_schema"}}, None, "give json_schema exactly when"),
+    ]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
+        body = e.value.body
+        assert isinstance(body, dict) and message in body["message"], body
+        assert param is None or body["param"] == param
 
 
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:

@@ -69,6 +69,15 @@ def test_logit_bias_steers_the_draws(cluster: Cluster) -> None:
     assert forced.token_ids == [42] * 4 and banned.token_ids != [greedy]
 
 
+def test_structured_output_and_priority_through_the_sdk(cluster: Cluster) -> None:
+    with FerryClient(cluster.grpc) as client:
+        out = client.complete("Pick:", max_tokens=10, temperature=1.0, seed=2, priority=-1,
+                              structured_output={"choice": {"values": ["up", "down"]}})  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=r"\(grammar\) does not compile"):
+            client.complete("x", max_tokens=4, structured_output={"grammar": "root ::= "})
+    assert out.text in ("up", "down") and out.finish_reason == "stop"
+
+
 def test_prompt_logprobs_come_with_the_first_chunk(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
         whole = client.complete([256, 10, 20, 30], max_tokens=3, prompt_logprobs=2)

@@ -7,7 +7,7 @@ import pytest
 from protos import common_pb2 as pb
 from services.common import convert
 from services.engine.request import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
 
@@ -15,6 +15,19 @@ def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_lim
     params = convert.sampling_params_from_pb(pb.SamplingParams())
     default = SamplingParams(max_tokens=None)
     assert params == default and params.max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [StructuredOutput("json_schema", '{"type": "object"}'), StructuredOutput("json_object"),
+     StructuredOutput("regex", "[a-z]+"), StructuredOutput("choice", choices=("a", "b c")),
+     StructuredOutput("grammar", 'root ::= "x"')],
+)  # fmt: skip
+def test_structured_output_round_trip(spec: StructuredOutput) -> None:
+    p = SamplingParams(structured_output=spec, max_tokens=None)
+    assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
+    with pytest.raises(ValueError, match="structured_output: set one of"):
+        convert.sampling_params_from_pb(pb.SamplingParams(structured_output=pb.StructuredOutput()))
 
 
 def test_sampling_params_round_trip() -> None:
