@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured clean redis
 
 setup: $(STAMP) redis
 
@@ -50,7 +50,7 @@ pytest: setup
 
 test: lint pytest
 
-bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration
+bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured
 
 bench-kv: setup
 	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
@@ -60,6 +60,10 @@ bench-ucx-wedge: setup
 	$(PY) loadtest/ucx_wedge.py $(BENCH_ARGS)
 
 # A decode worker killed under 8 streaming requests (--migration-limit 1): stalls, outputs (~1 min)
+# structured outputs: decode with and without a grammar side by side, and compile times (~15 s)
+bench-structured: setup
+	$(PY) loadtest/bench_structured.py $(BENCH_ARGS)
+
 bench-migration: setup
 	$(PY) loadtest/bench_migration.py $(BENCH_ARGS)
 	$(PY) loadtest/bench_migration.py --kill scheduler --out loadtest/results/migration_scheduler.json $(BENCH_ARGS)

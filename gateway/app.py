@@ -235,14 +235,22 @@ class _Api:
         return out
 
     async def stream(self, params: common_pb2.SamplingParams) -> AsyncIterator[dict[str, Any]]:
+        opts = self.body.stream_options
+        final_usage = opts is not None and opts.include_usage
+        running_usage = final_usage and opts is not None and opts.continuous_usage_stats
+
+        def counted(event: dict[str, Any]) -> dict[str, Any]:
+            if running_usage:
+                event["usage"] = usage(self.choices, self.prompts)
+            return event
+
         for event in self.opening():
-            yield event
+            yield counted(event)
         async for i, chunk in self._merged(params):
             choice = self.choices[i]
             choice.add(chunk)
-            yield self.envelope(self.chunk_object, [self.delta(choice, chunk)])
-        opts = self.body.stream_options
-        if opts is not None and opts.include_usage:
+            yield counted(self.envelope(self.chunk_object, [self.delta(choice, chunk)]))
+        if final_usage:
             event = self.envelope(self.chunk_object, [])
             event["usage"] = usage(self.choices, self.prompts)
             yield event

@@ -20,7 +20,8 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk's usage so far
 
 
 class JsonSchema(_Body):

@@ -81,6 +81,14 @@ def test_streamed_deltas_concatenate_to_the_whole_text(
     assert text == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(stream=True, stream_options=opts, **kw))  # type: ignore[call-overload]
+    counts = [c.usage.completion_tokens for c in chunks if c.usage]
+    assert len(counts) == len(chunks) and counts == sorted(counts) and counts[-1] == 20
+    assert counts[0] >= 1 and counts[-2] == 20  # (the decode worker may send tokens together)
+    assert all(c.usage and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)  # type: ignore[union-attr]
 
 
 def test_chat_completion_streaming_and_not(client: openai.OpenAI, checkpoint: Path) -> None:
