@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured clean redis
+.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
 
 setup: $(STAMP) redis
 
@@ -92,6 +92,9 @@ bench-engine: setup
 # each Triton kernel checked and timed at DeepSeek-V3 shapes (needs a CUDA GPU) -> loadtest/results/kernels.json
 bench-kernels: setup
 	$(PY) -m kernels.bench $(BENCH_ARGS)
+
+tune-kernels: setup
+	$(PY) -m kernels.tune $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

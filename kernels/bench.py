@@ -9,8 +9,11 @@ Each case first checks the Triton output against the torch reference, run in flo
 experts for every token. (The bfloat16 reference rounds its intermediates, scores and per-expert
 outputs, to bfloat16 and strays further from float32 than the kernels do.) Then it times both
 with ``triton.testing.do_bench`` (median, L2 flushed between runs) and reports the achieved HBM
-bandwidth and tensor throughput next to an H200's ceilings, and the fraction of the roofline
-(the larger of bytes / bandwidth and flops / peak) reached. The ``model`` suite runs the whole
+bandwidth and tensor throughput, and the fraction of the roofline (the larger of bytes /
+bandwidth and flops / peak) reached. The roofline uses the ceilings measured on the card at the
+start (a 2 GiB device-to-device copy, bytes read plus written; an 8192³ bfloat16 matrix product on
+random data); the H200's datasheet figures, and the card's own where known, are printed and
+recorded beside them. The ``model`` suite runs the whole
 model (the ``small`` preset; ``tiny`` with ``--tiny``) through ``kernels.dispatch``: its float32
 logits on the Triton kernels against the torch path within 1e-4, on both attention paths, then
 a bfloat16 decode step and a prefill timed on each backend.
@@ -23,8 +26,7 @@ false`` until the last), so a run cut short still leaves what it measured.
 On a GPU machine that has torch and Triton but not this project's other packages (the device
 machines here), run it from the repository root with that machine's Python: the kernels need
 nothing else, the model suite numpy and safetensors too (no grpc, Redis or UCX):
-``python3 -m kernels.bench --out "$OUT/kernels.json"``. Its running time on an
-H200 has not been measured yet; every case is sized to take seconds.
+``python3 -m kernels.bench --out "$OUT/kernels.json"``. Every case is sized to take seconds.
 """
 
 from __future__ import annotations
@@ -48,8 +50,20 @@ import torch
 
 from kernels import dispatch
 
-H200_HBM_BYTES_PER_S = 4.8e12
-H200_BF16_FLOPS = 989e12  # dense
+
+@dataclass(frozen=True)
+class Ceilings:
+    """HBM bandwidth (bytes/s, read plus written) and dense bfloat16 tensor throughput (flop/s)."""
+
+    hbm: float
+    bf16: float
+
+    def as_json(self) -> dict[str, float]:
+        return {"hbm_GBps": round(self.hbm / 1e9), "bf16_dense_TFLOPs": round(self.bf16 / 1e12)}
+
+
+H200 = Ceilings(hbm=4.8e12, bf16=989e12)
+DATASHEETS = {"H200": H200, "H100 80GB HBM3": Ceilings(hbm=3.35e12, bf16=989e12)}  # SXM parts
 BF16_TOLERANCE = 1e-2
 DEFAULT_OUT = "loadtest/results/kernels.json"
 DEVICE = torch.device("cuda")  # main() picks the CPU for --tiny without a GPU
@@ -306,7 +320,25 @@ def _failure(exc: Exception) -> dict[str, Any]:
     return {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
 
 
-def run_case(case: Case) -> dict[str, Any]:
+def measure_ceilings() -> Ceilings:
+    """What this card reaches: a 2 GiB copy (bytes read plus written) and an 8192³ bfloat16
+    product of random matrices, each the median of do_bench's runs."""
+    src = torch.randn(2**30 // 2, device=DEVICE, dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(functools.partial(dst.copy_, src))
+    hbm = 2 * src.numel() * src.element_size() / copy_ms * 1e3
+    del src, dst
+    n = 8192
+    a, b = _randn(n, n), _randn(n, n)
+    bf16 = 2 * n**3 / time_ms(lambda: a @ b) * 1e3
+    return Ceilings(hbm=hbm, bf16=bf16)
+
+
+def datasheet(device_name: str) -> Ceilings | None:
+    return next((c for name, c in DATASHEETS.items() if name in device_name), None)
+
+
+def run_case(case: Case, ceilings: Ceilings) -> dict[str, Any]:
     reference = dispatch.implementation(case.op, "torch")
     row: dict[str, Any] = {"op": case.op, "shape": case.shape}
     try:
@@ -325,7 +357,7 @@ def run_case(case: Case) -> dict[str, Any]:
         triton_ms = time_ms(lambda: kernel(*case.args))
     except Exception as exc:
         return row | _failure(exc)
-    roofline_ms = max(case.bytes / H200_HBM_BYTES_PER_S, case.flops / H200_BF16_FLOPS) * 1e3
+    roofline_ms = max(case.bytes / ceilings.hbm, case.flops / ceilings.bf16) * 1e3
     row.update(
         torch_ms=torch_ms,
         triton_ms=triton_ms,
@@ -430,7 +462,7 @@ def model_rows(tiny: bool) -> Iterator[dict[str, Any]]:
 # ---- output ----------------------------------------------------------------------------------
 
 
-def _print_row(row: dict[str, Any]) -> None:
+def _print_row(row: dict[str, Any], ceilings: Ceilings) -> None:
     shape = " ".join(f"{k}={v}" for k, v in row["shape"].items())
     check = f"err {row['max_rel_err']:.1e}" if "max_rel_err" in row else "timed"
     check = check if row["ok"] else f"FAILED: {row['error']}"
@@ -442,8 +474,8 @@ def _print_row(row: dict[str, Any]) -> None:
         )
     if "triton_GBps" in row:
         line += (
-            f" {row['triton_GBps']:7.0f} GB/s of {H200_HBM_BYTES_PER_S / 1e9:.0f}  "
-            f" {row['triton_TFLOPs']:6.1f} TFLOP/s of {H200_BF16_FLOPS / 1e12:.0f}  "
+            f" {row['triton_GBps']:7.0f} GB/s of {ceilings.hbm / 1e9:.0f}  "
+            f" {row['triton_TFLOPs']:6.1f} TFLOP/s of {ceilings.bf16 / 1e12:.0f}  "
             f" {100 * row['of_roofline']:5.1f}% of roofline  "
         )
     print(f"{line} {check}", flush=True)
@@ -463,14 +495,14 @@ def _machine() -> dict[str, Any]:
     return info
 
 
-def _rows(names: list[str], tiny: bool) -> Iterator[dict[str, Any]]:
+def _rows(names: list[str], tiny: bool, ceilings: Ceilings) -> Iterator[dict[str, Any]]:
     shapes = TINY if tiny else DEEPSEEK_V3
     for name in names:
         if name == MODEL_SUITE:
             yield from model_rows(tiny)
         else:
             for case in SUITES[name](shapes):
-                yield run_case(case)
+                yield run_case(case, ceilings)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -497,26 +529,38 @@ def main(argv: list[str] | None = None) -> int:
         print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
         return 1
     torch.manual_seed(0)
+    machine = _machine()
+    ceilings: dict[str, Any] = {"h200_datasheet": H200.as_json()}
+    if (card := datasheet(machine["device"])) is not None:
+        ceilings["card_datasheet"] = card.as_json()
+    roof = card or H200  # on the CPU (--tiny) there is nothing to measure
+    if DEVICE.type == "cuda":
+        try:
+            roof = measure_ceilings()
+            ceilings["measured"] = roof.as_json()
+        except Exception as exc:  # the kernels can still be checked and timed
+            print(f"could not measure the ceilings ({exc}); using the datasheet's", flush=True)
+    print(f"{machine['device']}: ceilings (GB/s, bf16 dense TFLOP/s) {ceilings}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "kernels.bench", *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": _machine(),
-        "ceilings": {
-            "hbm_GBps": H200_HBM_BYTES_PER_S / 1e9,
-            "bf16_dense_TFLOPs": H200_BF16_FLOPS / 1e12,
-        },
+        "machine": machine,
+        "ceilings": ceilings,
+        "roofline_ceilings": next(
+            k for k in ("measured", "card_datasheet", "h200_datasheet") if k in ceilings
+        ),
         "shapes": "tiny" if args.tiny else "deepseek_v3",
         "complete": False,
         "results": [],
     }
     started = time.perf_counter()
-    for row in _rows(args.only or suites, args.tiny):
+    for row in _rows(args.only or suites, args.tiny, roof):
         result["results"].append(row)
         result["seconds"] = round(time.perf_counter() - started, 1)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        _print_row(row)
+        _print_row(row, roof)
     result["complete"] = True
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out} ({result['seconds']} s)")

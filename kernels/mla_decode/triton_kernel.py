@@ -23,13 +23,16 @@ from kernels.triton_common import empty, mma, next_pow2, to_dtype
 
 @dataclass(frozen=True)
 class DecodeBlocks:
-    """``block_h`` heads x ``block_n`` context tokens per step; ``num_splits`` splits of each
-    request's context (None: enough to fill the GPU)."""
+    """``block_h`` heads (at most: fewer heads, a smaller block) x ``block_n`` context tokens per
+    step; ``num_splits`` splits of each request's context (None: enough to fill the GPU). The
+    defaults are the fastest of ``python -m kernels.tune`` on an H100 at DeepSeek-V3's shapes
+    (loadtest/results/kernel_tuning.json): 64 heads share each latent read, 2.3-2.5 times
+    faster than 16."""
 
-    block_h: int = 16
-    block_n: int = 32
+    block_h: int = 64
+    block_n: int = 64
     num_splits: int | None = None
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
 
@@ -182,7 +185,8 @@ def mla_decode_triton(
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv_cache = kv_cache if kv_cache.stride(-1) == 1 else kv_cache.contiguous()
-    head_blocks = triton.cdiv(num_heads, blocks.block_h)
+    block_h = min(blocks.block_h, next_pow2(num_heads, at_least=16))  # tl.dot: M >= 16
+    head_blocks = triton.cdiv(num_heads, block_h)
     splits = _num_splits(batch * head_blocks, block_tables.shape[1] * block_size, blocks, q.device)
     m = empty((batch, num_heads, splits), torch.float32, q.device)
     denom = empty((batch, num_heads, splits), torch.float32, q.device)
@@ -192,7 +196,7 @@ def mla_decode_triton(
         q, kv_cache, block_tables, seq_lens, m, denom, acc,
         num_heads, kv_lora_rank, rope_dim, block_size, softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        NUM_SPLITS=splits, BLOCK_H=blocks.block_h, BLOCK_N=blocks.block_n, BLOCK_R=block_r,
+        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=blocks.block_n, BLOCK_R=block_r,
         BLOCK_P=next_pow2(rope_dim, at_least=16),
         num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip

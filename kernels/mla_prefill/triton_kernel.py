@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -11,8 +12,17 @@ import triton.language as tl
 from kernels.dispatch import register
 from kernels.triton_common import empty, mma, next_pow2, to_dtype
 
-BLOCK_M = 64  # queries per program
-BLOCK_N = 64  # keys per step
+
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """``block_m`` queries per program x ``block_n`` keys per step. The defaults are the fastest
+    of ``python -m kernels.tune`` on an H100 at DeepSeek-V3's shapes
+    (loadtest/results/kernel_tuning.json)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
 
 
 @triton.jit
@@ -81,21 +91,28 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 @register("prefill_attention", "triton")
 def prefill_attention_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    *,
+    blocks: PrefillBlocks | None = None,
 ) -> torch.Tensor:
     """q: [heads, q_len, qk_dim]; k: [heads, ctx_len, qk_dim]; v: [heads, ctx_len, v_dim].
     Returns [q_len, heads, v_dim]. See prefill_attention_torch."""
+    blocks = blocks or PrefillBlocks()
     q, k, v = _last_contiguous(q), _last_contiguous(k), _last_contiguous(v)
     heads, q_len, qk_dim = q.shape
     ctx_len, v_dim = k.shape[1], v.shape[2]
     out = empty((q_len, heads, v_dim), q.dtype, q.device)
     if q_len == 0:
         return out
-    _prefill_kernel[(triton.cdiv(q_len, BLOCK_M), heads)](
+    _prefill_kernel[(triton.cdiv(q_len, blocks.block_m), heads)](
         q, k, v, out, q_len, ctx_len, qk_dim, v_dim, softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=next_pow2(qk_dim, at_least=16),
+        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_D=next_pow2(qk_dim, at_least=16),
         BLOCK_DV=next_pow2(v_dim, at_least=16),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )  # fmt: skip
     return out

@@ -27,6 +27,10 @@ from kernels.rmsnorm import triton_kernel as rmsnorm
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232_448  # bytes of shared memory one block may use on sm_90
+# The tilings measured fastest on an H100 (python -m kernels.tune) spill a few hundred bytes per
+# thread here: mla_decode's 64 heads x 8 warps (2.3-2.5x faster than 16 heads, which did not
+# spill) and fused_moe's 128-wide prefill tiles. More than this means a tiling to measure again.
+MAX_LOCAL = 1024
 _TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 BF16, FP32, I32, I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 
@@ -104,30 +108,35 @@ def deepseek_v3_builds() -> list[Build]:
         ids_ptr=I64, counts_ptr=I32, n=choices, num_experts=experts, BLOCK=1024,
         BLOCK_E=experts))  # fmt: skip
     out += _fused_moe_builds(hidden, inter, experts, top_k, choices)
-    out.append(build("mla_decode split", mla._split_kernel, num_warps=4, num_stages=2,
+    dec = mla.DecodeBlocks()
+    out.append(build("mla_decode split", mla._split_kernel, num_warps=dec.num_warps,
+        num_stages=dec.num_stages,
         q_ptr=BF16, kv_ptr=BF16, tables_ptr=I64, lens_ptr=I64, m_ptr=FP32, denom_ptr=FP32,
         acc_ptr=FP32, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=block_size,
         scale_log2=0.2, q_stride_b=heads * (rank + rope), q_stride_h=rank + rope,
         kv_stride_block=block_size * (rank + rope), kv_stride_token=rank + rope,
-        table_stride=512, NUM_SPLITS=8, BLOCK_H=16, BLOCK_N=32, BLOCK_R=rank,
+        table_stride=512, NUM_SPLITS=8, BLOCK_H=dec.block_h, BLOCK_N=dec.block_n, BLOCK_R=rank,
         BLOCK_P=rope))  # fmt: skip
     out.append(build("mla_decode merge", mla._merge_kernel,
         m_ptr=FP32, denom_ptr=FP32, acc_ptr=FP32, out_ptr=BF16, num_heads=heads,
         kv_lora_rank=rank, out_stride_b=heads * rank, out_stride_h=rank, NUM_SPLITS=8,
         BLOCK_S=8, BLOCK_R=rank))  # fmt: skip
-    out.append(build("prefill_attention", prefill._prefill_kernel,
+    pre = prefill.PrefillBlocks()
+    out.append(build("prefill_attention", prefill._prefill_kernel, num_warps=pre.num_warps,
+        num_stages=pre.num_stages,
         q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, out_ptr=BF16, q_len=4096, ctx_len=4096, qk_dim=192,
         v_dim=128, scale_log2=0.2, q_stride_h=192, q_stride_t=heads * 192, k_stride_h=192,
         k_stride_t=heads * 192, v_stride_h=256, v_stride_t=heads * 256,
-        out_stride_t=heads * 128, out_stride_h=128, BLOCK_M=prefill.BLOCK_M,
-        BLOCK_N=prefill.BLOCK_N, BLOCK_D=256, BLOCK_DV=128))  # fmt: skip
+        out_stride_t=heads * 128, out_stride_h=128, BLOCK_M=pre.block_m,
+        BLOCK_N=pre.block_n, BLOCK_D=256, BLOCK_DV=128))  # fmt: skip
     return out
 
 
 def _fused_moe_builds(hidden: int, inter: int, experts: int, top_k: int, n: int) -> list[Build]:
     out = []
-    for block_m in (16, 64):  # decode and prefill row blocks
-        b = moe.MoEBlocks(block_m=block_m)
+    for per_slot in (2, 32, 64, 128):  # decode to prefill: every tiling the default picks
+        b = moe.MoEBlocks.default(per_slot * experts, experts)
+        block_m = b.block_m
         common = dict(BLOCK_M=block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
                       num_warps=b.num_warps, num_stages=b.num_stages)  # fmt: skip
         out.append(build(f"fused_moe gate_up (block_m={block_m})", moe._gate_up_kernel,
@@ -156,10 +165,11 @@ def _fused_moe_builds(hidden: int, inter: int, experts: int, top_k: int, n: int)
 
 
 def problems(builds: list[Build]) -> list[str]:
-    """Kernels that would not launch (too much shared memory) or spill registers."""
+    """Kernels that would not launch (too much shared memory) or spill many registers."""
     out = [f"{b.name}: {b.shared} B of shared memory > {MAX_SHARED}" for b in builds
            if b.shared > MAX_SHARED]  # fmt: skip
-    return out + [f"{b.name}: {b.local} B of local memory (spills)" for b in builds if b.local]
+    return out + [f"{b.name}: {b.local} B of local memory (spills) > {MAX_LOCAL}" for b in builds
+                  if b.local > MAX_LOCAL]  # fmt: skip
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
-"""kernels/bench.py runs only where a GPU is lent, so its every path is run here first: its tiny
-shapes under Triton's interpreter, in a fresh process, down to the JSON it leaves."""
+"""kernels/bench.py and kernels/tune.py run only where a GPU is lent, so their every path is run
+here first: their tiny shapes under Triton's interpreter, in a fresh process, down to the JSON
+they leave."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import pytest
 import torch
 
 from kernels.bench import SUITES
+from kernels.tune import TILINGS, TINY_TILINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(tmp_path: Path, *args: str, interpret: bool = True) -> subprocess.CompletedProcess[str]:
+def _bench(
+    tmp_path: Path, *args: str, interpret: bool = True, script: str = "kernels.bench"
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", "kernels.bench", "--out", str(tmp_path / "k.json"),
+    return subprocess.run([sys.executable, "-m", script, "--out", str(tmp_path / "k.json"),
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -44,10 +48,25 @@ def test_tiny_run_checks_every_kernel_and_the_model(tmp_path: Path) -> None:
     assert f"wrote {tmp_path / 'k.json'}" in run.stdout
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full run would start")
-def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path) -> None:
+def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
+    run = _bench(tmp_path, "--tiny", script="kernels.tune")
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert result["complete"]
+    rows = result["results"]
+    assert {r["op"] for r in rows} == set(TILINGS)
+    for row in rows:  # the default, then the first candidates, each checked against the torch op
+        tilings = row["tilings"]
+        assert len(tilings) == 1 + TINY_TILINGS and tilings[0]["tiling"] == "default"
+        assert all(t["ok"] and t["max_rel_err"] < 1e-2 and t["ms"] > 0 for t in tilings), row
+        assert row["best_ms"] == min(t["ms"] for t in tilings)
+        assert isinstance(tilings[1]["tiling"], dict) and "num_warps" in tilings[1]["tiling"]
 
-    run = _bench(tmp_path, interpret=False)
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full run would start")
+@pytest.mark.parametrize("script", ["kernels.bench", "kernels.tune"])
+def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path, script: str) -> None:
+    run = _bench(tmp_path, interpret=False, script=script)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "no CUDA device" in run.stdout
     assert not (tmp_path / "k.json").exists()

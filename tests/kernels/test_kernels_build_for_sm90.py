@@ -1,5 +1,6 @@
-"""Every Triton kernel compiles for an H200 (sm_90) at DeepSeek-V3's shapes, without spilling
-registers or asking for more shared memory than a block may have. No GPU needed: Triton's
+"""Every Triton kernel compiles for an H200 (sm_90) at DeepSeek-V3's shapes, with its default
+tiling, without spilling more than a few registers or asking for more shared memory than a
+block may have. No GPU needed: Triton's
 compiler runs on the CPU (see sm90_compile.py); in a fresh process, without the interpreter."""
 
 from __future__ import annotations
