@@ -34,8 +34,10 @@ from gateway.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     _Sampling,
+    tool_dicts,
 )
 from gateway.streams import Choice, choices_of, merged, usage
+from gateway.tools import CallReader, Read, ToolUse
 from protos import common_pb2
 
 
@@ -127,7 +129,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         backend.check_model(body.model)
         if body.messages is not None:
             messages = [m.for_template() for m in body.messages]
-            ids = backend.encode_chat(messages, body.add_generation_prompt)
+            ids = backend.encode_chat(messages, body.add_generation_prompt, tool_dicts(body.tools))
         else:
             ids = backend.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
         strs = [backend.token_text(t) for t in ids] if body.return_token_strs else None
@@ -142,11 +144,19 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> Response:
         backend.check_model(body.model)
+        try:
+            tools = body.tool_use()
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="tool_choice") from e
         messages = [m.for_template() for m in body.messages]
-        ids = backend.encode_chat(messages, body.add_generation_prompt)
+        ids = backend.encode_chat(messages, body.add_generation_prompt, list(tools.tools) or None)
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
-        api = _Chat(backend, body, [ids])
+        if (forced := tools.structured()) is not None:
+            params.structured_output.CopyFrom(forced)
+        if tools.mode == "auto":  # the call markers are special tokens in DeepSeek's vocabulary
+            params.skip_special_tokens = False
+        api = _Chat(backend, body, [ids], tools)
         if body.stream:
             return _sse(api.stream(params))
         return JSONResponse(await api.complete(params))
@@ -350,10 +360,32 @@ def _joined(
 
 
 class _Chat(_Api):
+    """Each choice's text goes through its tool-call reader (plain text without tools): the
+    content, and the calls the model made (gateway/tools.py)."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prefix = "chatcmpl"
     body: ChatCompletionRequest
+
+    def __init__(
+        self, backend: Backend, body: ChatCompletionRequest, prompts: list[list[int]],
+        tools: ToolUse,
+    ) -> None:  # fmt: skip
+        super().__init__(backend, body, prompts)
+        self.tools = tools
+        self.readers = {c.index: tools.reader() for c in self.choices}  # while streaming
+
+    async def _merged(
+        self, params: common_pb2.SamplingParams
+    ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
+        try:
+            async for item in super()._merged(params):
+                yield item
+        except OpenAIError as e:  # a forced call's schema is a tool's parameters
+            if self.tools.forced and e.param == "response_format":
+                e.param = "tools"
+            raise
 
     def requested_top(self) -> int:
         return self.body.top_logprobs or 0
@@ -373,8 +405,15 @@ class _Chat(_Api):
         return {"content": content}
 
     def final_choice(self, c: Choice) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
+        reader = self.tools.reader()
+        read = reader.feed(c.text)
+        read += reader.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": read.content}
+        if reader.calls:
+            message["content"] = read.content or None
+            message["tool_calls"] = [call.as_json() for call in reader.calls]
+        return {"index": c.index, "message": message,
+                "finish_reason": self.tools.finish_reason(c.finish_reason, reader),
                 "logprobs": self.logprobs(c.token_ids, c.logprobs)}  # fmt: skip
 
     def opening(self) -> list[dict[str, Any]]:
@@ -383,6 +422,13 @@ class _Chat(_Api):
                 for c in self.choices]  # fmt: skip
 
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
-        return {"index": c.index, "delta": {"content": chunk.text} if chunk.text else {},
-                "finish_reason": chunk.finish_reason or None,
+        reader: CallReader = self.readers[c.index]
+        read: Read = reader.feed(chunk.text)
+        if chunk.finish_reason:
+            read += reader.finish()
+        delta: dict[str, Any] = {"content": read.content} if read.content else {}
+        if read.calls:
+            delta["tool_calls"] = read.calls
+        return {"index": c.index, "delta": delta,
+                "finish_reason": self.tools.finish_reason(chunk.finish_reason or None, reader),
                 "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs))}  # fmt: skip

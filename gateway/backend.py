@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -83,10 +84,13 @@ class Backend:
         return ids
 
     def encode_chat(
-        self, messages: list[dict[str, object]], add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         try:
-            text = self.chat_template.render(messages, add_generation_prompt)
+            text = self.chat_template.render(messages, add_generation_prompt, tools)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from e
         bos = self.chat_template.special.get("bos_token", "")

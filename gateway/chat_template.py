@@ -6,6 +6,9 @@ presets can use it too::
 
     <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜>{assistant}<｜end▁of▁sentence｜>...
 
+with an assistant turn's tool calls and the tool turns that answer them in DeepSeek-V3's
+format, and the tools (``tools``: OpenAI's function definitions) listed first.
+
 The BOS marker is left to the tokenizer (``add_bos``), as DeepSeek's own template does.
 """
 
@@ -20,11 +23,26 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 DEFAULT_TEMPLATE = (
+    # the tools, if any, and how to call them: DeepSeek-V3's call format (gateway/tools.py)
+    "{% if tools %}## Tools\n\nYou can call the functions below. To call them, write "
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGUMENTS"
+    "\n```<｜tool▁call▁end｜>, one after another, then <｜tool▁calls▁end｜>.\n\n"
+    "{% for t in tools %}### {{ t['function']['name'] }}\n"
+    "{% if t['function']['description'] %}{{ t['function']['description'] }}{{ '\\n' }}{% endif %}"
+    "Parameters: {{ (t['function']['parameters'] or {'type': 'object'}) | tojson }}\n\n"
+    "{% endfor %}{% endif %}"
     "{% for m in messages %}"
     "{% if m['role'] in ('system', 'developer') %}{{ m['content'] }}\n"
     "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>"
-    "{% else %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] or '' }}"
+    "{% if m['tool_calls'] %}<｜tool▁calls▁begin｜>{% for c in m['tool_calls'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}<｜tool▁call▁begin｜>{{ c['type'] }}<｜tool▁sep｜>"
+    "{{ c['function']['name'] }}\n```json\n{{ c['function']['arguments'] }}\n```<｜tool▁call▁end｜>"
+    "{% endfor %}<｜tool▁calls▁end｜>{% endif %}<｜end▁of▁sentence｜>"
+    # a run of tool turns: one outputs block
+    "{% else %}{% if loop.first or loop.previtem['role'] != 'tool' %}<｜tool▁outputs▁begin｜>"
+    "{% else %}{{ '\\n' }}{% endif %}<｜tool▁output▁begin｜>{{ m['content'] }}<｜tool▁output▁end｜>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<｜tool▁outputs▁end｜>{% endif %}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
 )
@@ -51,9 +69,14 @@ class ChatTemplate:
         special = {k: _token_text(data.get(k)) for k in ("bos_token", "eos_token")}
         return cls(source, special) if source else cls()
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
         try:
-            return self.template.render(messages=messages,
+            return self.template.render(messages=messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special)  # fmt: skip
         except jinja2.TemplateError as e:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.tools import ToolUse
 from protos import common_pb2
 
 MAX_N = 16
@@ -158,12 +159,27 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(_Body):
+    """A call an earlier assistant turn made, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # a string, or OpenAI's content parts ([{"type": "text", "text": ...}, ...], as LangChain and
     # agent frameworks send); the model reads text only
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -184,12 +200,69 @@ class ChatMessage(_Body):
         return out
 
 
+class Function(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: any object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
+        return tools
+
+    def tool_use(self) -> ToolUse:
+        """How the tools are to be used; ValueError (a 400 naming tool_choice) when the
+        request contradicts itself."""
+        tools = tool_dicts(self.tools) or []
+        names = [t["function"]["name"] for t in tools]
+        choice = self.tool_choice or ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise ValueError(f"tool_choice {_choice_text(choice)} needs tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
+                                 f"of the tools ({', '.join(names)})")  # fmt: skip
+            use = ToolUse("named", tuple(tools), choice.function.name, self.parallel_tool_calls)
+        else:
+            use = ToolUse(choice, tuple(tools), None, self.parallel_tool_calls)
+        if use.forced and (self.response_format or self.structured_outputs):
+            raise ValueError(f"tool_choice {_choice_text(choice)} sets the output's form itself: "
+                             "give no response_format or structured_outputs with it")  # fmt: skip
+        return use
 
     def token_limit(self) -> int | None:
         return (
@@ -200,12 +273,13 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a completion prompt, or chat messages as /v1/chat/completions would
-    render them."""
+    """vLLM's /tokenize: a completion prompt, or chat messages (and tools) as
+    /v1/chat/completions would render them."""
 
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # messages only
     add_special_tokens: bool = True  # a prompt's BOS (messages: the template decides)
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
@@ -220,6 +294,10 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str
     tokens: list[int]
+
+
+def _choice_text(choice: str | NamedToolChoice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name}}}"
 
 
 def _all(value: Any, kind: type) -> bool:

@@ -224,6 +224,121 @@ def test_response_format_and_structured_outputs_constrain_the_text(
         assert param is None or body["param"] == param
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+           "parameters": {"type": "object", "additionalProperties": False,
+                          "required": ["city", "metric"],
+                          "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                         "metric": {"type": "boolean"}}}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["utc", "cet"]}}}}}  # fmt: skip
+
+
+def _valid_call(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return (set(args) == {"city", "metric"} and isinstance(args["metric"], bool)
+                and re.fullmatch("[a-z]{1,8}", args["city"]) is not None)  # fmt: skip
+    return name == "now" and args in ({"zone": "utc"}, {"zone": "cet"})
+
+
+def test_a_named_or_required_tool_choice_forces_a_call_to_the_tools(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """tool_choice naming a function makes the whole output its arguments; "required" makes it
+    a list of calls to the tools: both forced by the JSON Schema, on prefill and decode alike."""
+    model = model_of(checkpoint)
+    ask = {"model": model, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+           "tools": [WEATHER, CLOCK], "temperature": 1.0, "max_completion_tokens": 200}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        reply = client.chat.completions.create(**ask, seed=seed, tool_choice=named)  # type: ignore[call-overload]
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+        assert _valid_call("get_weather", calls[0].function.arguments), calls  # type: ignore[union-attr]
+        streamed = client.chat.completions.create(**ask, seed=seed, tool_choice=named, stream=True)  # type: ignore[call-overload]
+        deltas = [d for chunk in streamed for c in chunk.choices for d in c.delta.tool_calls or []]
+        assert deltas[0].id and deltas[0].function.name == "get_weather"
+        assert "".join(d.function.arguments for d in deltas) == calls[0].function.arguments  # type: ignore[union-attr]
+        required = client.chat.completions.create(
+            **ask, seed=seed, tool_choice="required", parallel_tool_calls=False
+        )  # type: ignore[call-overload]
+        choice = required.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1, choice
+        assert _valid_call(calls[0].function.name, calls[0].function.arguments), calls  # type: ignore[union-attr]
+
+
+def test_auto_tool_choice_reads_deepseek_v3_calls_out_of_the_text(
+    client: openai.OpenAI, cluster: Cluster, checkpoint: Path
+) -> None:
+    """ "auto" (the default with tools): text in DeepSeek-V3's call format becomes tool_calls,
+    whole or streamed. A random model does not call by itself, so a regex makes it write one;
+    the history of a call and its answer goes back through the template, counted as /tokenize
+    counts it."""
+    model = model_of(checkpoint)
+    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\\n```json'
+            '\\n\\{"city":"[a-z]{1,8}","metric":(true|false)\\}\\n```<｜tool▁call▁end｜>'
+            '<｜tool▁calls▁end｜>')  # fmt: skip
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    ask = {"model": model, "messages": messages, "tools": [WEATHER, CLOCK], "seed": 3,
+           "temperature": 1.0, "max_completion_tokens": 300,
+           "extra_body": {"structured_outputs": {"regex": "Sure\\. " + call}}}  # fmt: skip
+    reply = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    choice = reply.choices[0]
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert _valid_call("get_weather", calls[0].function.arguments)  # type: ignore[union-attr]
+    chunks = list(client.chat.completions.create(**ask, stream=True))  # type: ignore[call-overload]
+    content = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+    deltas = [d for chunk in chunks for c in chunk.choices for d in c.delta.tool_calls or []]
+    assert content == "Sure. " and len(deltas) == 1 and deltas[0].index == 0
+    assert deltas[0].function.arguments == calls[0].function.arguments  # type: ignore[union-attr]
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices][-1] == "tool_calls"
+    free = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],  # type: ignore[list-item]
+                                          max_completion_tokens=8, seed=1)  # fmt: skip
+    assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+    history = [*messages, {"role": "assistant", "content": None,
+                           "tool_calls": [c.model_dump() for c in calls]},
+               {"role": "tool", "tool_call_id": calls[0].id, "content": "3C"}]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=history, tools=[WEATHER],  # type: ignore[arg-type, list-item]
+                                            max_completion_tokens=4)  # fmt: skip
+    status, counted = _post(cluster.gateway, json.dumps({"model": model, "messages": history,
+                            "tools": [WEATHER]}).encode(), "/tokenize")  # fmt: skip
+    assert status == 200 and answer.usage and counted["count"] == answer.usage.prompt_tokens
+    assert answer.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "'nope', which is not one of the tools (get_weather)"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice", "'required' needs tools"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+         "give no response_format"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "two tools have the same name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name",
+         "String should match pattern"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "strin"}}}}}],
+          "tool_choice": "required"}, "tools", 'Unsupported type "strin"'),
+    ],
+)  # fmt: skip
+def test_contradictory_or_malformed_tool_requests_are_400(
+    cluster: Cluster, checkpoint: Path, extra: dict[str, Any], param: str, message: str
+) -> None:
+    body = {"model": model_of(checkpoint), "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "tools": [WEATHER], **extra}  # fmt: skip
+    body = {k: v for k, v in body.items() if v is not None}
+    status, out = _post(cluster.gateway, json.dumps(body).encode(), "/v1/chat/completions")
+    assert status == 400 and out["error"]["param"] == param, out
+    assert message in out["error"]["message"], out
+
+
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
           "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from gateway.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from gateway.tools import DeepSeekV3Calls
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]  # fmt: skip
@@ -40,3 +41,35 @@ def test_a_template_that_raises_is_a_value_error() -> None:
     tpl = ChatTemplate("{{ raise_exception('only user turns, please') }}")
     with pytest.raises(ValueError, match="only user turns, please"):
         tpl.render(MESSAGES)
+
+
+def test_tools_and_tool_turns_in_deepseek_v3_format() -> None:
+    """The tools come first; an assistant turn's calls and the tool turns answering them are
+    written in the format gateway/tools.py reads back (consecutive tool turns: one block)."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "Does f.",
+              "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "g"}}]  # fmt: skip
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+             {"id": "2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]  # fmt: skip
+    messages = [{"role": "user", "content": "Go"}, {"role": "assistant", "tool_calls": calls},
+                {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"}]  # fmt: skip
+    text = ChatTemplate().render(messages, tools=tools)
+    head, turns = text.split("<｜User｜>")
+    assert (
+        head.startswith("## Tools\n") and '### f\nDoes f.\nParameters: {"type": "object"}' in head
+    )
+    assert '### g\nParameters: {"type": "object"}' in head
+    assert turns == (
+        "Go<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
+        '```json\n{"a":1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n'
+        "```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>A<｜tool▁output▁end｜>\n"
+        "<｜tool▁output▁begin｜>B<｜tool▁output▁end｜><｜tool▁outputs▁end｜><｜Assistant｜>"
+    )
+    reader = DeepSeekV3Calls()  # what the template writes, the reader reads
+    call_text = turns.split("<｜Assistant｜>")[1].split("<｜end▁of▁sentence｜>")[0]
+    reader.feed(call_text)
+    assert reader.finish().content == ""
+    assert [(c.name, c.arguments) for c in reader.calls] == [("f", '{"a":1}'), ("g", "{}")]
+    assert (
+        ChatTemplate().render(messages[:1]) == "<｜User｜>Go<｜Assistant｜>"
+    )  # no tools: as before
