@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import metrics
+from gateway import metrics, reasoning
 from gateway.backend import Backend, GatewayConfig
 from gateway.body_limit import BodyLimit
 from gateway.errors import OpenAIError
@@ -374,7 +374,11 @@ class _Chat(_Api):
     ) -> None:  # fmt: skip
         super().__init__(backend, body, prompts)
         self.tools = tools
-        self.readers = {c.index: tools.reader() for c in self.choices}  # while streaming
+        self.readers = {c.index: self.reader() for c in self.choices}  # while streaming
+
+    def reader(self) -> CallReader:
+        """A choice's text: thinking (with a reasoning parser), then content and tool calls."""
+        return reasoning.reader(self.backend.config.reasoning_parser, self.tools.reader())
 
     async def _merged(
         self, params: common_pb2.SamplingParams
@@ -405,10 +409,12 @@ class _Chat(_Api):
         return {"content": content}
 
     def final_choice(self, c: Choice) -> dict[str, Any]:
-        reader = self.tools.reader()
+        reader = self.reader()
         read = reader.feed(c.text)
         read += reader.finish()
         message: dict[str, Any] = {"role": "assistant", "content": read.content}
+        if self.backend.config.reasoning_parser:
+            message["reasoning_content"] = read.reasoning or None
         if reader.calls:
             message["content"] = read.content or None
             message["tool_calls"] = [call.as_json() for call in reader.calls]
@@ -427,6 +433,8 @@ class _Chat(_Api):
         if chunk.finish_reason:
             read += reader.finish()
         delta: dict[str, Any] = {"content": read.content} if read.content else {}
+        if read.reasoning:
+            delta["reasoning_content"] = read.reasoning
         if read.calls:
             delta["tool_calls"] = read.calls
         return {"index": c.index, "delta": delta,

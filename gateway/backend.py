@@ -14,6 +14,7 @@ import grpc
 from gateway import metrics
 from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
+from gateway.reasoning import REASONING_PARSERS
 from gateway.schedulers import Replica, SchedulerPool
 from protos import common_pb2, scheduler_pb2
 from services.common.log import get_logger
@@ -41,10 +42,16 @@ class GatewayConfig:
     # times a stream whose scheduler went away after it streamed tokens goes on through another
     # (0: it fails with the scheduler's UNAVAILABLE)
     migration_limit: int = 0
+    # vLLM's --reasoning-parser: a reasoning model's thinking goes to reasoning_content
+    # (gateway/reasoning.py); "": none
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if not self.schedulers:
             raise ValueError("give at least one scheduler address (--scheduler)")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: one of "
+                             f"{', '.join(REASONING_PARSERS)}, or '' for none")  # fmt: skip
 
     @property
     def model_name(self) -> str:

@@ -60,16 +60,19 @@ class ToolCall:
 
 @dataclass
 class Read:
-    """What a piece of a choice's text turned out to be: content, and tool-call deltas in
-    OpenAI's streamed shape (``{"index", "id", "type", "function": {"name", "arguments"}}``,
-    later deltas of one call with ``arguments`` only)."""
+    """What a piece of a choice's text turned out to be: content, tool-call deltas in OpenAI's
+    streamed shape (``{"index", "id", "type", "function": {"name", "arguments"}}``, later
+    deltas of one call with ``arguments`` only), and a reasoning model's thinking
+    (gateway/reasoning.py)."""
 
     content: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str = ""
 
     def __iadd__(self, other: Read) -> Read:
         self.content += other.content
         self.calls += other.calls
+        self.reasoning += other.reasoning
         return self
 
 
@@ -107,7 +110,7 @@ class DeepSeekV3Calls(CallReader):
         if not self.in_calls:
             at = self.pending.find(CALLS_BEGIN)
             if at < 0:  # hold back what could be the marker's first characters
-                cut = len(self.pending) - _partial_suffix(self.pending, CALLS_BEGIN)
+                cut = len(self.pending) - partial_suffix(self.pending, CALLS_BEGIN)
                 out.content, self.pending = self.pending[:cut], self.pending[cut:]
                 return out
             out.content = self.pending[:at]
@@ -148,7 +151,7 @@ class NamedCall(CallReader):
         return Read(calls=[{"index": 0, "function": {"arguments": text}}])
 
     def finish(self) -> Read:
-        self.calls = [ToolCall(self.call.name, self.arguments, self.call.id)]
+        self.calls[:] = [ToolCall(self.call.name, self.arguments, self.call.id)]
         return Read()
 
 
@@ -224,7 +227,7 @@ class ToolUse:
         return reason
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that ``marker`` starts with."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

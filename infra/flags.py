@@ -129,6 +129,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
         "when none answers (restarting) before 503")  # fmt: skip
     add(p, "--migration-limit", d.migration_limit, "times a stream whose scheduler goes away "
         "after it streamed tokens goes on through another (0: it fails)")  # fmt: skip
+    add(p, "--reasoning-parser", d.reasoning_parser, "a reasoning model's thinking goes to "
+        "reasoning_content: deepseek_r1 ('' : none)")  # fmt: skip
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
@@ -143,7 +145,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         model=args.model, served_model_name=args.served_model_name,
         schedulers=_addresses(args.scheduler), host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
 
 

@@ -587,6 +587,55 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
         proc.wait(20)
 
 
+def test_a_reasoning_parser_splits_thinking_from_the_answer(
+    cluster: Cluster, checkpoint: Path
+) -> None:
+    """--reasoning-parser deepseek_r1: the text before </think> is reasoning_content, whole or
+    streamed, and the answer after it is read on for tool calls. A random model does not think
+    by itself, so a regex makes it write R1's shape."""
+    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\\n```json\\n'
+            '\\{"zone":"utc"\\}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+    shape = "<think>\\n[a-z]{3,9}( [a-z]{2,6}){2}\\n</think>\\n\\n"
+    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--reasoning-parser", "deepseek_r1")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ask = {"model": model_of(checkpoint), "messages": [{"role": "user", "content": "Why?"}],
+               "seed": 4, "temperature": 1.0, "max_completion_tokens": 400}  # fmt: skip
+        reply = client.chat.completions.create(
+            **ask, extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}}
+        )  # type: ignore[call-overload]
+        message = reply.choices[0].message
+        thought: str = message.reasoning_content  # type: ignore[attr-defined]
+        assert re.fullmatch("\n[a-z]{3,9}( [a-z]{2,6}){2}\n", thought), thought
+        assert re.fullmatch("\n\nBecause [a-z]{2,8}\\.", message.content or ""), message
+        chunks = list(client.chat.completions.create(
+            **ask, stream=True,
+            extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}},
+        ))  # type: ignore[call-overload]  # fmt: skip
+        deltas = [c.delta for chunk in chunks for c in chunk.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+        assert "".join(d.content or "" for d in deltas) == message.content
+        tool = client.chat.completions.create(
+            **ask, tools=[CLOCK], extra_body={"structured_outputs": {"regex": shape + call}}
+        )  # type: ignore[call-overload]
+        choice = tool.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "\n\n"
+        assert choice.message.reasoning_content  # type: ignore[attr-defined]
+        calls = choice.message.tool_calls or []
+        assert [(c.function.name, c.function.arguments) for c in calls] == [
+            ("now", '{"zone":"utc"}')
+        ]  # type: ignore[union-attr]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    plain = openai.OpenAI(base_url=cluster.gateway + "/v1", api_key="unused", max_retries=0)
+    reply = plain.chat.completions.create(  # no parser: the thinking is content
+        **ask, extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}}
+    )  # type: ignore[call-overload]
+    assert reply.choices[0].message.content.startswith("<think>")  # type: ignore[union-attr]
+    assert getattr(reply.choices[0].message, "reasoning_content", None) is None
+
+
 def test_no_scheduler_is_503_and_not_ready(checkpoint: Path) -> None:
     """/health says so at once; a request waits --scheduler-wait for one to come up, then 503."""
     proc, url = _gateway(f"127.0.0.1:{free_port()}", str(checkpoint), "--scheduler-wait", "1")

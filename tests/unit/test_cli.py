@@ -166,6 +166,8 @@ def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
         (["--heartbeat-ttl", "0.1"], "ferry up: heartbeat TTL 0.1 s: at least 0.3 s"),
         (["--decode-args", "--port 70000"], "ferry up: --worker-args / --decode-args: `ferry serve "
          "decode` would refuse them: port=70000: must be 0..65535"),
+        (["--reasoning-parser", "r2"], "ferry up: flags: `ferry serve gateway` would refuse them: "
+         "--reasoning-parser 'r2': one of deepseek_r1, or '' for none"),
     ],
 )  # fmt: skip
 def test_ferry_up_refuses_values_a_service_would_refuse(given: list[str], message: str) -> None:
