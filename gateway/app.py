@@ -34,7 +34,6 @@ from gateway.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     _Sampling,
-    tool_dicts,
 )
 from gateway.streams import Choice, choices_of, merged, usage
 from gateway.tools import CallReader, Read, ToolUse
@@ -129,7 +128,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         backend.check_model(body.model)
         if body.messages is not None:
             messages = [m.for_template() for m in body.messages]
-            ids = backend.encode_chat(messages, body.add_generation_prompt, tool_dicts(body.tools))
+            ids = backend.encode_chat(messages, **body.render_options())
         else:
             ids = backend.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
         strs = [backend.token_text(t) for t in ids] if body.return_token_strs else None
@@ -149,7 +148,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice") from e
         messages = [m.for_template() for m in body.messages]
-        ids = backend.encode_chat(messages, body.add_generation_prompt, list(tools.tools) or None)
+        ids = backend.encode_chat(messages, **body.render_options())
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
         if (forced := tools.structured()) is not None:

@@ -90,14 +90,11 @@ class Backend:
             raise OpenAIError(400, "prompt is empty", param="prompt")
         return ids
 
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """The messages through the chat template (``options``: ChatTemplate.render's), as
+        token ids; a template that fails is a 400."""
         try:
-            text = self.chat_template.render(messages, add_generation_prompt, tools)
+            text = self.chat_template.render(messages, **options)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from e
         bos = self.chat_template.special.get("bos_token", "")

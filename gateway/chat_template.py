@@ -74,13 +74,32 @@ class ChatTemplate:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> str:
+        """The prompt text. ``continue_final_message``: cut after the final message's text, so
+        that the model goes on with it; ``extra``: more variables (vLLM's chat_template_kwargs,
+        such as a template's thinking switch)."""
+        context = {**self.special, **(extra or {}), "messages": messages, "tools": tools,
+                   "add_generation_prompt": add_generation_prompt}  # fmt: skip
         try:
-            return self.template.render(messages=messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special)  # fmt: skip
+            text = self.template.render(**context)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed on these messages: {e}") from e
+        return _open_final(text, messages[-1]) if continue_final_message else text
+
+
+def _open_final(text: str, final: dict[str, Any]) -> str:
+    """``text`` up to the end of the final message's text (trailing whitespace left out), as
+    transformers' ``continue_final_message`` cuts it."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the final message has no text to go on with")
+    at = text.rfind(content)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the final "
+                         "message's text as it is, so it cannot be left open")  # fmt: skip
+    return text[: at + len(content.rstrip())]
 
 
 def _token_text(tok: object) -> str:

@@ -226,15 +226,15 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+class ChatPrompt(_Body):
+    """How chat messages become the prompt: the fields vLLM's chat requests and /tokenize
+    share, as :meth:`ChatTemplate.render`'s options."""
+
     add_generation_prompt: bool = True
+    # the final message is left open (no end-of-turn after it) for the model to go on with it
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
 
     @field_validator("tools")
     @classmethod
@@ -243,6 +243,35 @@ class ChatCompletionRequest(_Sampling):
         if len(set(names)) < len(names):
             raise ValueError("two tools have the same name")
         return tools
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_field_of_ours(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted({"messages", "tools", "add_generation_prompt"} & set(value or ()))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the request's own fields")
+        return value
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatPrompt:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the "
+                             "final message goes on, no new one starts)")  # fmt: skip
+        return self
+
+    def render_options(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "tools": tool_dicts(self.tools), "extra": self.chat_template_kwargs}  # fmt: skip
+
+
+class ChatCompletionRequest(_Sampling, ChatPrompt):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def tool_use(self) -> ToolUse:
         """How the tools are to be used; ValueError (a 400 naming tool_choice) when the
@@ -272,16 +301,14 @@ class ChatCompletionRequest(_Sampling):
         )
 
 
-class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a completion prompt, or chat messages (and tools) as
-    /v1/chat/completions would render them."""
+class TokenizeRequest(ChatPrompt):
+    """vLLM's /tokenize: a completion prompt, or chat messages as /v1/chat/completions would
+    render them (ChatPrompt's fields: for messages only)."""
 
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None  # messages only
     add_special_tokens: bool = True  # a prompt's BOS (messages: the template decides)
-    add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
 
     @model_validator(mode="after")

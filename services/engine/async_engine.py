@@ -12,7 +12,9 @@ import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine, EngineLoad
@@ -35,6 +37,7 @@ class _Add:
     hand_off: bool = False
     imported: ImportedKv | None = None
     resumed: Resumed | None = None
+    grammar: Any = None  # xgrammar's CompiledGrammar of params.structured_output
 
 
 @dataclass
@@ -54,6 +57,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._ids = itertools.count()
         self._load = self.engine.load()
+        # structured outputs' grammars compile here, not on the engine's thread
+        self._grammars = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
         self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +117,11 @@ class AsyncEngine:
         params = params or SamplingParams()
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.validate(ids, params)
+        grammar = None
+        if params.structured_output is not None:  # ValueError when it does not compile
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._grammars, self.engine.grammars.compile, params.structured_output
+            )
         rid = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
@@ -120,7 +130,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already running")
             self._streams[rid] = stream
-            self._adds.append(_Add(rid, ids, params, hand_off, imported, resumed))
+            self._adds.append(_Add(rid, ids, params, hand_off, imported, resumed, grammar))
             self._cv.notify()
         finished = False
         try:
@@ -154,6 +164,7 @@ class AsyncEngine:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -195,7 +206,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
                                         hand_off=a.hand_off, imported=a.imported,
-                                        resumed=a.resumed)  # fmt: skip
+                                        resumed=a.resumed, grammar=a.grammar)  # fmt: skip
             except (ValueError, KeyError) as e:
                 self._deliver_error(a.request_id, e)
         for rid in aborts:

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from services.engine.sampling_params import SamplingParams
 from services.engine.step_planner import StepPlan, StepPlanner
 from services.engine.structured import Grammars
 from services.engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many group steps
 # prompt rows whose logits over the whole vocabulary are held at once (256 x DeepSeek-V3's 129k
@@ -158,11 +162,14 @@ class Engine:
         hand_off: bool = False,
         imported: ImportedKv | None = None,
         resumed: Resumed | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request. ``hand_off`` (prefill role): it ends after its first token, its
         prompt's blocks held for export (see ``RequestOutput.kv_hold``). ``imported`` (decode
         role): its prompt's KV is already in this cache and its first token already sampled.
-        ``resumed``: the prompt ends with tokens it generated elsewhere (see ``_resume``)."""
+        ``resumed``: the prompt ends with tokens it generated elsewhere (see ``_resume``).
+        ``grammar``: the structured output already compiled (``self.grammars.compile``, off
+        this thread); else it is compiled here."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -176,7 +183,7 @@ class Engine:
             detokenizer=self.tokenizer.detokenizer(params.skip_special_tokens),
             prompt_logprobs=None if params.prompt_logprobs is None else [],
             hand_off=hand_off,
-            matcher=None if spec is None else self.grammars.matcher(spec),
+            matcher=None if spec is None else self.grammars.matcher(grammar or spec),
         )
         if resumed is not None:
             self._resume(req, resumed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,25 +24,34 @@ from services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr
-    from xgrammar import GrammarMatcher
+    from xgrammar import CompiledGrammar, GrammarMatcher
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[17:29:31] /project/cpp/x.cc:94: "
 
 
 class Grammars:
-    """Compiles a request's ``StructuredOutput`` for one tokenizer and model vocabulary."""
+    """Compiles a request's ``StructuredOutput`` for one tokenizer and model vocabulary. Safe to
+    use from several threads: AsyncEngine compiles on a thread of its own, so that a new
+    grammar does not stall the engine's steps (as vLLM compiles on a thread pool)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None  # built when first needed
+        self._building = threading.Lock()
 
-    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        """A matcher at the start of ``spec``; ValueError (naming what is wrong) when the spec
-        does not compile."""
+    def matcher(self, spec: StructuredOutput | CompiledGrammar) -> GrammarMatcher:
+        """A matcher at the start of ``spec`` (compiled here unless it already is)."""
         import xgrammar as xgr
 
+        return xgr.GrammarMatcher(
+            self.compile(spec) if isinstance(spec, StructuredOutput) else spec
+        )
+
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """``spec`` against the vocabulary (xgrammar caches repeats); ValueError (naming what is
+        wrong) when it does not compile."""
         compiler = self._compiler or self._build()
         try:
             # JSON without whitespace between tokens: a model cannot pad it forever
@@ -63,9 +73,15 @@ class Grammars:
             raise ValueError(
                 f"structured output ({spec.kind}) does not compile: {reason}"
             ) from None
-        return xgr.GrammarMatcher(compiled)
+        return compiled
 
     def _build(self) -> xgr.GrammarCompiler:
+        with self._building:  # once, whichever thread asks first
+            if self._compiler is None:
+                self._compiler = self._new_compiler()
+            return self._compiler
+
+    def _new_compiler(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr
 
         tok = self._tokenizer
@@ -77,8 +93,7 @@ class Grammars:
                                      stop_token_ids=self._eos)  # fmt: skip
         else:
             raise ValueError(f"structured output: no vocabulary for a {type(tok).__name__}")
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        return xgr.GrammarCompiler(info, max_threads=1)
 
     def _hf_info(self, tok: HFTokenizer) -> xgr.TokenizerInfo:
         """xgrammar reads how the vocabulary encodes bytes (byte-level, byte fallback...) from the

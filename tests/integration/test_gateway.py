@@ -339,6 +339,31 @@ def test_contradictory_or_malformed_tool_requests_are_400(
     assert message in out["error"]["message"], out
 
 
+def test_continue_final_message_goes_on_with_the_last_turn(
+    client: openai.OpenAI, cluster: Cluster, checkpoint: Path
+) -> None:
+    """continue_final_message: the prompt ends with the final message's text (no end of turn,
+    no new turn), /tokenize and the chat request count it alike, and a bad combination is a
+    400."""
+    model, tok = model_of(checkpoint), load_tokenizer(checkpoint)
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    body = {"model": model, "messages": messages, **options}
+    status, out = _post(cluster.gateway, json.dumps(body).encode(), "/tokenize")
+    assert status == 200 and out["tokens"][-5:] == tok.encode("1 2 3", add_bos=False)
+    reply = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                           max_completion_tokens=3, extra_body=options)  # fmt: skip
+    assert reply.usage and reply.usage.prompt_tokens == out["count"]
+    for extra, message in [
+        ({"add_generation_prompt": True}, "continue_final_message needs add_generation_prompt"),
+        ({"chat_template_kwargs": {"tools": []}}, "tools: set by the request's own fields"),
+        ({"messages": [{"role": "user", "content": " "}]}, "no text to go on with"),
+    ]:
+        status, err = _post(cluster.gateway, json.dumps(body | extra | {"max_tokens": 2}).encode(),
+                            "/v1/chat/completions")  # fmt: skip
+        assert status == 400 and message in err["error"]["message"], err
+
+
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
           "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from services.engine.async_engine import EngineDeadError
+from services.engine.sampling_params import StructuredOutput
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +101,28 @@ def test_shut_down_engine_refuses() -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(main())
+
+
+def test_a_grammar_compiles_off_the_engine_thread(engine: AsyncEngine) -> None:
+    """A new structured output is compiled on AsyncEngine's grammar thread while the engine
+    steps on; a spec that does not compile is still refused before anything runs."""
+    threads: list[str] = []
+    compile_ = engine.engine.grammars.compile
+
+    def spy(spec: StructuredOutput) -> Any:
+        threads.append(threading.current_thread().name)
+        return compile_(spec)
+
+    engine.engine.grammars.compile = spy  # type: ignore[method-assign]
+    try:
+        regex = SamplingParams(temperature=1.0, seed=3, max_tokens=50,
+                               structured_output=StructuredOutput("regex", "[xyz]{4}"))  # fmt: skip
+        _, text, reason = asyncio.run(_collect(engine, [1, 2, 3], regex))
+        assert re.fullmatch("[xyz]{4}", text) and reason == "stop"
+        bad = SamplingParams(structured_output=StructuredOutput("regex", "(x"))
+        with pytest.raises(ValueError, match="does not compile"):
+            asyncio.run(_collect(engine, [1, 2, 3], bad))
+    finally:
+        del engine.engine.grammars.compile
+    assert len(threads) == 2 and all(t.startswith("ferry-grammar") for t in threads), threads
+    engine.engine.check_integrity()

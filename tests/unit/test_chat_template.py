@@ -73,3 +73,21 @@ def test_tools_and_tool_turns_in_deepseek_v3_format() -> None:
     assert (
         ChatTemplate().render(messages[:1]) == "<｜User｜>Go<｜Assistant｜>"
     )  # no tools: as before
+
+
+def test_continue_final_message_leaves_the_last_turn_open() -> None:
+    messages = [*MESSAGES[:2], {"role": "assistant", "content": "Hello, I am "}]
+    text = ChatTemplate().render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == "Be brief.\n<｜User｜>Hi<｜Assistant｜>Hello, I am"  # as transformers cuts it
+    for bad in ({"role": "assistant", "content": " "}, {"role": "assistant"}):
+        with pytest.raises(ValueError, match="no text to go on with"):
+            ChatTemplate().render([MESSAGES[1], bad], continue_final_message=True)
+    shouting = ChatTemplate("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    with pytest.raises(ValueError, match="does not write the final message's text as it is"):
+        shouting.render(messages, continue_final_message=True)
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    tpl = ChatTemplate("{% if thinking %}<think>{% endif %}{{ messages[0]['content'] }}")
+    assert tpl.render(MESSAGES[:1], extra={"thinking": True}) == "<think>Be brief."
+    assert tpl.render(MESSAGES[:1]) == "Be brief."

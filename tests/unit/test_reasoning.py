@@ -8,16 +8,8 @@ import random
 import pytest
 
 from gateway.reasoning import ThinkingReader, reader
-from gateway.tools import CALLS_BEGIN, CALLS_END, CallReader, DeepSeekV3Calls, Read
-from tests.unit.test_tools import ds_call
-
-
-def read_all(r: CallReader, pieces: list[str]) -> Read:
-    out = Read()
-    for piece in pieces:
-        out += r.feed(piece)
-    out += r.finish()
-    return out
+from gateway.tools import CALLS_BEGIN, CALLS_END, CallReader, DeepSeekV3Calls
+from tests.unit.test_tools import ds_call, read_all
 
 
 def splits(text: str) -> list[list[str]]:
