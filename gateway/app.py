@@ -96,12 +96,12 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(config)]}
+        return {"object": "list", "data": [await _model_card(backend)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         backend.check_model(name)
-        return _model_card(config)
+        return await _model_card(backend)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -112,7 +112,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if len(given) * body.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(given)} prompts x n={body.n} is more than "
                               f"{MAX_CHOICES} choices; split the batch", param="prompt")  # fmt: skip
-        prompts = [backend.encode_prompt(p) for p in given]
+        prompts = [await _truncated(backend, body, backend.encode_prompt(p)) for p in given]
         params = _params(body, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
@@ -148,7 +148,9 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice") from e
         messages = [m.for_template() for m in body.messages]
-        ids = backend.encode_chat(messages, **body.render_options())
+        ids = await _truncated(
+            backend, body, backend.encode_chat(messages, **body.render_options())
+        )
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
         if (forced := tools.structured()) is not None:
@@ -163,6 +165,14 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     return app
 
 
+async def _truncated(backend: Backend, body: _Sampling, ids: list[int]) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the workers' context limit)."""
+    keep = body.truncate_prompt_tokens
+    if keep == -1:
+        keep = await backend.max_model_len()
+    return ids if keep is None else ids[-keep:]
+
+
 def _check_key(request: Request, key: str) -> None:
     if not key:
         return
@@ -172,8 +182,12 @@ def _check_key(request: Request, key: str) -> None:
                           "authentication_error", code="invalid_api_key")  # fmt: skip
 
 
-def _model_card(config: GatewayConfig) -> dict[str, Any]:
-    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "ferry"}
+async def _model_card(backend: Backend) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's ``root`` (what is loaded) and ``max_model_len`` (the
+    workers' context limit; null while no scheduler answers)."""
+    config = backend.config
+    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "ferry",
+            "root": config.model, "max_model_len": await backend.max_model_len()}  # fmt: skip
 
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -296,10 +310,18 @@ class _Completions(_Api):
 
     @functools.cached_property
     def echoed(self) -> list[str]:
-        """Each prompt's text, put before its choices' text when body.echo."""
-        decode = self.backend.tokenizer.decode
-        return [p if isinstance(p, str) else decode(p, skip_special_tokens=False)
-                for p in self.body.prompts()]  # fmt: skip
+        """Each prompt's text, put before its choices' text when body.echo (what is left of
+        it after truncate_prompt_tokens)."""
+        decode, truncating = self.backend.tokenizer.decode, self.body.truncate_prompt_tokens
+        out: list[str] = []
+        for given, ids in zip(self.body.prompts(), self.prompts, strict=True):
+            if isinstance(given, str) and (
+                truncating is None or len(ids) == len(self.backend.encode_prompt(given))
+            ):
+                out.append(given)  # as it was given: not cut
+            else:
+                out.append(decode(ids, skip_special_tokens=False))
+        return out
 
     def requested_top(self) -> int:
         return self.body.logprobs or 0

@@ -85,6 +85,8 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with what stopped it
     # vLLM's: lower is admitted first and preempted last on each worker (a 32-bit integer)
     priority: int = Field(0, ge=-(2**31), lt=2**31)
+    # vLLM's: only the prompt's last k tokens are sent (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -120,6 +122,14 @@ class _Sampling(_Body):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("give the number of tokens to keep (at least 1), or -1 for as many "
+                             "as the model's context holds")  # fmt: skip
+        return value
 
     @field_validator("logit_bias")
     @classmethod

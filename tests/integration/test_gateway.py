@@ -364,6 +364,29 @@ def test_continue_final_message_goes_on_with_the_last_turn(
         assert status == 400 and message in err["error"]["message"], err
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(
+    client: openai.OpenAI, checkpoint: Path
+) -> None:
+    """vLLM's truncate_prompt_tokens: only the last k tokens are sent (-1: the context limit),
+    counted so in the usage and echoed so; 0 or below -1 is a 400."""
+    model = model_of(checkpoint)
+    kw = {"model": model, "max_tokens": 2, "echo": True}
+    cut = client.completions.create(prompt="abcdefghij", **kw,  # type: ignore[call-overload]
+                                    extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text.startswith("ghij")
+    assert not cut.choices[0].text.startswith("abc")
+    whole = client.completions.create(prompt="abcdefghij", **kw,  # type: ignore[call-overload]
+                                      extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert whole.usage.prompt_tokens == 11 and whole.choices[0].text.startswith("abcdefghij")
+    messages = [{"role": "user", "content": "x" * 50}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=1,  # type: ignore[arg-type]
+                                          extra_body={"truncate_prompt_tokens": 7})  # fmt: skip
+    assert chat.usage and chat.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="abc", **kw, extra_body={"truncate_prompt_tokens": 0})  # type: ignore[call-overload]
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
     kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
           "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip
@@ -461,7 +484,11 @@ def test_logprobs_in_both_apis(client: openai.OpenAI, checkpoint: Path) -> None:
 def test_models_health_and_metrics(
     cluster: Cluster, client: openai.OpenAI, checkpoint: Path
 ) -> None:
-    assert [m.id for m in client.models.list()] == [model_of(checkpoint)]
+    (card,) = client.models.list()
+    limits = [v.record.max_model_len for v in cluster.views("prefill")]
+    assert card.id == model_of(checkpoint) and limits
+    assert card.max_model_len == min(limits) and card.root == model_of(checkpoint)  # type: ignore[attr-defined]
+    assert client.models.retrieve(model_of(checkpoint)).max_model_len == min(limits)  # type: ignore[attr-defined]
     with urllib.request.urlopen(cluster.gateway + "/health", timeout=5) as r:
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
     with urllib.request.urlopen(cluster.gateway + "/metrics", timeout=5) as r:
