@@ -144,7 +144,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     async def chat(body: ChatCompletionRequest) -> Response:
         backend.check_model(body.model)
         try:
-            tools = body.tool_use()
+            tools = body.tool_use(config.tool_call_parser)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice") from e
         messages = [m.for_template() for m in body.messages]

@@ -16,6 +16,7 @@ from gateway.chat_template import ChatTemplate
 from gateway.errors import OpenAIError, from_grpc
 from gateway.reasoning import REASONING_PARSERS
 from gateway.schedulers import Replica, SchedulerPool
+from gateway.tools import TOOL_CALL_PARSERS
 from protos import common_pb2, scheduler_pb2
 from services.common.log import get_logger
 from services.common.streamed import Streamed
@@ -45,6 +46,8 @@ class GatewayConfig:
     # vLLM's --reasoning-parser: a reasoning model's thinking goes to reasoning_content
     # (gateway/reasoning.py); "": none
     reasoning_parser: str = ""
+    # vLLM's --tool-call-parser: the format tool_choice "auto" reads calls in (gateway/tools.py)
+    tool_call_parser: str = "deepseek_v3"
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -52,6 +55,9 @@ class GatewayConfig:
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: one of "
                              f"{', '.join(REASONING_PARSERS)}, or '' for none")  # fmt: skip
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")  # fmt: skip
 
     @property
     def model_name(self) -> str:

@@ -283,9 +283,9 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def tool_use(self) -> ToolUse:
-        """How the tools are to be used; ValueError (a 400 naming tool_choice) when the
-        request contradicts itself."""
+    def tool_use(self, parser: str = "deepseek_v3") -> ToolUse:
+        """How the tools are to be used (``parser``: how "auto" reads calls); ValueError (a 400
+        naming tool_choice) when the request contradicts itself."""
         tools = tool_dicts(self.tools) or []
         names = [t["function"]["name"] for t in tools]
         choice = self.tool_choice or ("auto" if tools else "none")
@@ -297,7 +297,7 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
                                  f"of the tools ({', '.join(names)})")  # fmt: skip
             use = ToolUse("named", tuple(tools), choice.function.name, self.parallel_tool_calls)
         else:
-            use = ToolUse(choice, tuple(tools), None, self.parallel_tool_calls)
+            use = ToolUse(choice, tuple(tools), None, self.parallel_tool_calls, parser)
         if use.forced and (self.response_format or self.structured_outputs):
             raise ValueError(f"tool_choice {_choice_text(choice)} sets the output's form itself: "
                              "give no response_format or structured_outputs with it")  # fmt: skip

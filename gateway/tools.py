@@ -4,12 +4,17 @@
 
 - ``"none"``: the chat template shows the tools to the model; its text is the content.
 - ``"auto"``: the model decides. Calls are read out of its text in DeepSeek-V3's format
-  (:class:`DeepSeekV3Calls`); the text before them is the content::
+  (:class:`DeepSeekV3Calls`, the gateway's ``--tool-call-parser deepseek_v3``); the text before
+  them is the content::
 
       <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
       ```json
       ARGUMENTS
       ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+  or in DeepSeek-V3.1's (and later's) (:class:`DeepSeekV31Calls`, ``deepseek_v31``)::
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>...
 
 - ``"required"`` and a named function (``{"type": "function", "function": {"name": ...}}``):
   the output is forced through structured outputs by a JSON Schema: a list of ``{"name",
@@ -38,6 +43,11 @@ SEP = "<｜tool▁sep｜>"
 _CALL = re.compile(
     r"\s*" + re.escape(CALL_BEGIN) + r"(?P<type>[^\n]*?)" + re.escape(SEP)
     + r"(?P<name>[^\n]*?)\n```json\n(?P<arguments>.*?)\n```" + re.escape(CALL_END),
+    re.DOTALL,
+)  # fmt: skip
+_CALL_V31 = re.compile(
+    r"\s*" + re.escape(CALL_BEGIN) + r"(?P<name>[^\n]*?)" + re.escape(SEP)
+    + r"(?P<arguments>.*?)" + re.escape(CALL_END),
     re.DOTALL,
 )  # fmt: skip
 
@@ -99,6 +109,8 @@ class DeepSeekV3Calls(CallReader):
     its ``<｜tool▁call▁end｜>`` arrives. A tail that is not a well-formed call (the model
     stopped mid-call, or wrote something else) comes out as content: no text is lost."""
 
+    call = _CALL  # one call, as the model writes it
+
     def __init__(self) -> None:
         super().__init__()
         self.pending = ""  # text not yet sent: a possible start of the marker, or a call's
@@ -116,7 +128,7 @@ class DeepSeekV3Calls(CallReader):
             out.content = self.pending[:at]
             self.pending = self.pending[at + len(CALLS_BEGIN) :]
             self.in_calls = True
-        while (m := _CALL.match(self.pending)) is not None:
+        while (m := self.call.match(self.pending)) is not None:
             out.calls.append(self._made(ToolCall(m["name"].strip(), m["arguments"].strip())))
             self.pending = self.pending[m.end() :]
         return out
@@ -131,6 +143,19 @@ class DeepSeekV3Calls(CallReader):
                 rest = CALLS_BEGIN + self.pending
         self.pending = ""
         return Read(content=rest)
+
+
+class DeepSeekV31Calls(DeepSeekV3Calls):
+    """DeepSeek-V3.1's calls: the name, then the arguments as they are (no type, no json
+    block)."""
+
+    call = _CALL_V31
+
+
+TOOL_CALL_PARSERS: dict[str, type[DeepSeekV3Calls]] = {
+    "deepseek_v3": DeepSeekV3Calls,
+    "deepseek_v31": DeepSeekV31Calls,
+}
 
 
 class NamedCall(CallReader):
@@ -186,6 +211,7 @@ class ToolUse:
     tools: tuple[dict[str, Any], ...] = ()
     name: str | None = None  # the named function
     parallel: bool = True
+    parser: str = "deepseek_v3"  # how "auto" reads calls: one of TOOL_CALL_PARSERS
 
     @property
     def forced(self) -> bool:
@@ -193,7 +219,7 @@ class ToolUse:
 
     def reader(self) -> CallReader:
         if self.mode == "auto":
-            return DeepSeekV3Calls()
+            return TOOL_CALL_PARSERS[self.parser]()
         if self.mode == "required":
             return RequiredCalls()
         if self.mode == "named":

@@ -121,6 +121,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
             *("--model", args.model, "--api-key", args.api_key),
             *("--migration-limit", str(args.migration_limit)),
             *("--reasoning-parser", args.reasoning_parser),
+            *("--tool-call-parser", args.tool_call_parser),
             *keepalive,
         ],
         "scheduler": [
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
     flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
     flags.add(up, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
+    flags.add(up, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
     flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")
     flags.add(up, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")

@@ -131,6 +131,8 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
         "after it streamed tokens goes on through another (0: it fails)")  # fmt: skip
     add(p, "--reasoning-parser", d.reasoning_parser, "a reasoning model's thinking goes to "
         "reasoning_content: deepseek_r1 ('' : none)")  # fmt: skip
+    add(p, "--tool-call-parser", d.tool_call_parser, "the format tool_choice 'auto' reads "
+        "calls in: deepseek_v3 or deepseek_v31 (DeepSeek-V3.1 and later)")  # fmt: skip
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
@@ -146,6 +148,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         schedulers=_addresses(args.scheduler), host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
         migration_limit=args.migration_limit, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
 
 

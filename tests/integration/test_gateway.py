@@ -643,12 +643,14 @@ def test_a_reasoning_parser_splits_thinking_from_the_answer(
     cluster: Cluster, checkpoint: Path
 ) -> None:
     """--reasoning-parser deepseek_r1: the text before </think> is reasoning_content, whole or
-    streamed, and the answer after it is read on for tool calls. A random model does not think
-    by itself, so a regex makes it write R1's shape."""
-    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\\n```json\\n'
-            '\\{"zone":"utc"\\}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+    streamed, and the answer after it is read on for tool calls, here in DeepSeek-V3.1's format
+    (--tool-call-parser deepseek_v31). A random model does not think by itself, so a regex
+    makes it write R1's shape."""
+    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>'
+            '\\{"zone":"utc"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
     shape = "<think>\\n[a-z]{3,9}( [a-z]{2,6}){2}\\n</think>\\n\\n"
-    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--reasoning-parser", "deepseek_r1")
+    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--reasoning-parser", "deepseek_r1",
+                         "--tool-call-parser", "deepseek_v31")  # fmt: skip
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         ask = {"model": model_of(checkpoint), "messages": [{"role": "user", "content": "Why?"}],

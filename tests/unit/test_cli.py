@@ -168,6 +168,8 @@ def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
          "decode` would refuse them: port=70000: must be 0..65535"),
         (["--reasoning-parser", "r2"], "ferry up: flags: `ferry serve gateway` would refuse them: "
          "--reasoning-parser 'r2': one of deepseek_r1, or '' for none"),
+        (["--tool-call-parser", "hermes"], "ferry up: flags: `ferry serve gateway` would refuse "
+         "them: --tool-call-parser 'hermes': one of deepseek_v3, deepseek_v31"),
     ],
 )  # fmt: skip
 def test_ferry_up_refuses_values_a_service_would_refuse(given: list[str], message: str) -> None:

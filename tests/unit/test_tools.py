@@ -17,6 +17,7 @@ from gateway.tools import (
     SEP,
     CallReader,
     DeepSeekV3Calls,
+    DeepSeekV31Calls,
     NamedCall,
     Read,
     RequiredCalls,
@@ -164,3 +165,18 @@ def test_finish_reason_is_tool_calls_when_the_model_chose_to_call() -> None:
     named = NamedCall("now")
     read_all(named, ["{}"])
     assert ToolUse("named", TOOLS, name="now").finish_reason("stop", named) == "stop"
+
+
+def test_deepseek_v31_calls_name_then_bare_arguments() -> None:
+    """DeepSeek-V3.1's format: no type, no json block; in any chunking."""
+    text = ("Checking." + CALLS_BEGIN + f'{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo"}}{CALL_END}'
+            + f"{CALL_BEGIN}now{SEP}{{}}{CALL_END}" + CALLS_END)  # fmt: skip
+    for seed in range(10):
+        reader = DeepSeekV31Calls()
+        out = read_all(reader, chunkings(text, seed))
+        assert out.content == "Checking."
+        assert [(c.name, c.arguments) for c in reader.calls] == [
+            ("get_weather", '{"city": "Oslo"}'), ("now", "{}")]  # fmt: skip
+    v3 = DeepSeekV3Calls()  # V3's reader wants the json block: V3.1's calls stay text
+    assert read_all(v3, [text]).content == text and v3.calls == []
+    assert isinstance(ToolUse("auto", TOOLS, parser="deepseek_v31").reader(), DeepSeekV31Calls)
