@@ -112,7 +112,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if len(given) * body.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(given)} prompts x n={body.n} is more than "
                               f"{MAX_CHOICES} choices; split the batch", param="prompt")  # fmt: skip
-        prompts = [await _truncated(backend, body, backend.encode_prompt(p)) for p in given]
+        prompts = await _truncated(backend, body, [backend.encode_prompt(p) for p in given])
         params = _params(body, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
@@ -148,8 +148,8 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice") from e
         messages = [m.for_template() for m in body.messages]
-        ids = await _truncated(
-            backend, body, backend.encode_chat(messages, **body.render_options())
+        (ids,) = await _truncated(
+            backend, body, [backend.encode_chat(messages, **body.render_options())]
         )
         top = body.top_logprobs or 0 if body.logprobs else None
         params = _params(body, body.token_limit(), top)
@@ -165,12 +165,15 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     return app
 
 
-async def _truncated(backend: Backend, body: _Sampling, ids: list[int]) -> list[int]:
-    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the workers' context limit)."""
+async def _truncated(
+    backend: Backend, body: _Sampling, prompts: list[list[int]]
+) -> list[list[int]]:
+    """Each prompt's last ``truncate_prompt_tokens`` tokens (-1: the workers' context limit,
+    asked once for the whole batch)."""
     keep = body.truncate_prompt_tokens
     if keep == -1:
         keep = await backend.max_model_len()
-    return ids if keep is None else ids[-keep:]
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 def _check_key(request: Request, key: str) -> None:
