@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos run test lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
+.PHONY: setup protos view run test check-install lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
 
 setup: $(STAMP) redis
 
@@ -20,8 +20,6 @@ $(STAMP): pyproject.toml
 	$(PIP) --upgrade pip 2>&1 | $(QUIET)
 	$(PIP) "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
 	$(PIP) -e '.[dev]' 2>&1 | $(QUIET)
-	@# Hugging Face's `kernels` distribution imports as `kernels`, like ours (see pyproject.toml).
-	@! $(PY) -m pip show -q kernels >/dev/null 2>&1 || $(PY) -m pip uninstall -y -q kernels
 	@touch $(STAMP)
 
 redis:
@@ -29,17 +27,28 @@ redis:
 	  echo "installing redis-server (apt-get)"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
-# Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale).
+# Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale). The .proto
+# files are read as ferry/protos/*.proto, so the generated code imports `ferry.protos`.
 protos: setup
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+	@rm -rf build/protos && mkdir -p build/protos
+	$(PY) -m grpc_tools.protoc -Iferry/protos=protos --python_out=build/protos \
+	  --grpc_python_out=build/protos --pyi_out=build/protos protos/*.proto
+	cp build/protos/ferry/protos/* protos/
 
 run: setup
 	$(VENV)/bin/ferry up
 
-lint: setup
+# mypy reads the packages under the names they install as: build/view/ferry/* link to the folders.
+VIEW := build/view
+PACKAGES := services gateway kernels infra protos
+view:
+	@mkdir -p $(VIEW)/ferry
+	@for p in $(PACKAGES); do ln -sfn ../../../$$p $(VIEW)/ferry/$$p; done
+
+lint: setup view
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy services gateway kernels infra protos
+	MYPYPATH=$(VIEW) $(VENV)/bin/mypy -p ferry
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
@@ -47,6 +56,24 @@ format: setup
 
 pytest: setup
 	$(VENV)/bin/pytest -q tests
+
+# Ferry built and installed (not editable) into a fresh venv beside Hugging Face's `kernels` and
+# the newest transformers the requirement admits: both import, from outside the checkout. Then
+# the V3 parity tests run there on each transformers version the requirement admits (~3 min).
+CHECK_VENV := build/check-install
+TRANSFORMERS_VERSIONS := 5.24.0 5.25.0
+check-install:
+	rm -rf $(CHECK_VENV) && $(PYTHON) -m venv $(CHECK_VENV)
+	$(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
+	$(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check . kernels pytest pytest-timeout 2>&1 | $(QUIET)
+	cd / && $(abspath $(CHECK_VENV))/bin/python -c "import kernels, transformers, ferry.kernels, \
+	  ferry.services.engine.engine, ferry.gateway.app; from transformers import DeepseekV3ForCausalLM; \
+	  assert 'site-packages' in ferry.kernels.__file__ and kernels.__file__ != ferry.kernels.__file__; \
+	  print('transformers', transformers.__version__, 'beside kernels: both import')"
+	for v in $(TRANSFORMERS_VERSIONS); do \
+	  $(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check "transformers==$$v" 2>&1 | $(QUIET); \
+	  $(CHECK_VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_model_parity.py \
+	    tests/unit/test_engine_parity.py tests/unit/test_mla_paths.py; done
 
 test: lint pytest
 
@@ -91,10 +118,10 @@ bench-engine: setup
 
 # each Triton kernel checked and timed at DeepSeek-V3 shapes (needs a CUDA GPU) -> loadtest/results/kernels.json
 bench-kernels: setup
-	$(PY) -m kernels.bench $(BENCH_ARGS)
+	$(PY) -m ferry.kernels.bench $(BENCH_ARGS)
 
 tune-kernels: setup
-	$(PY) -m kernels.tune $(BENCH_ARGS)
+	$(PY) -m ferry.kernels.tune $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

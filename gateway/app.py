@@ -23,11 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import metrics, reasoning
-from gateway.backend import Backend, GatewayConfig
-from gateway.body_limit import BodyLimit
-from gateway.errors import OpenAIError
-from gateway.protocol import (
+from ferry.gateway import metrics, reasoning
+from ferry.gateway.backend import Backend, GatewayConfig
+from ferry.gateway.body_limit import BodyLimit
+from ferry.gateway.errors import OpenAIError
+from ferry.gateway.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,9 +35,9 @@ from gateway.protocol import (
     TokenizeRequest,
     _Sampling,
 )
-from gateway.streams import Choice, choices_of, merged, usage
-from gateway.tools import CallReader, Read, ToolUse
-from protos import common_pb2
+from ferry.gateway.streams import Choice, choices_of, merged, usage
+from ferry.gateway.tools import CallReader, Read, ToolUse
+from ferry.protos import common_pb2
 
 
 def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:

@@ -11,16 +11,16 @@ from typing import Any
 
 import grpc
 
-from gateway import metrics
-from gateway.chat_template import ChatTemplate
-from gateway.errors import OpenAIError, from_grpc
-from gateway.reasoning import REASONING_PARSERS
-from gateway.schedulers import Replica, SchedulerPool
-from gateway.tools import TOOL_CALL_PARSERS
-from protos import common_pb2, scheduler_pb2
-from services.common.log import get_logger
-from services.common.streamed import Streamed
-from services.engine.tokenizer import Tokenizer, load_tokenizer
+from ferry.gateway import metrics
+from ferry.gateway.chat_template import ChatTemplate
+from ferry.gateway.errors import OpenAIError, from_grpc
+from ferry.gateway.reasoning import REASONING_PARSERS
+from ferry.gateway.schedulers import Replica, SchedulerPool
+from ferry.gateway.tools import TOOL_CALL_PARSERS
+from ferry.protos import common_pb2, scheduler_pb2
+from ferry.services.common.log import get_logger
+from ferry.services.common.streamed import Streamed
+from ferry.services.engine.tokenizer import Tokenizer, load_tokenizer
 
 log = get_logger(__name__)
 

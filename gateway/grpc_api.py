@@ -10,10 +10,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.backend import Backend
-from gateway.errors import OpenAIError
-from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
-from services.common.channels import ACCEPT_PINGS
+from ferry.gateway.backend import Backend
+from ferry.gateway.errors import OpenAIError
+from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
+from ferry.services.common.channels import ACCEPT_PINGS
 
 SERVICE_NAME = "ferry.v1.Ferry"
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.tools import ToolUse
-from protos import common_pb2
+from ferry.gateway.tools import ToolUse
+from ferry.protos import common_pb2
 
 MAX_N = 16
 MAX_CHOICES = 256  # prompts x n of one /v1/completions request

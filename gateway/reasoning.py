@@ -9,7 +9,7 @@ that never closes its thinking (cut at max_tokens) is all reasoning, as in vLLM.
 
 from __future__ import annotations
 
-from gateway.tools import CallReader, Read, partial_suffix
+from ferry.gateway.tools import CallReader, Read, partial_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from gateway.errors import OpenAIError
-from protos import scheduler_pb2_grpc
-from services.common.channels import open_channel
+from ferry.gateway.errors import OpenAIError
+from ferry.protos import scheduler_pb2_grpc
+from ferry.services.common.channels import open_channel
 
 DROP_SETTLE_S = 0.2  # how long a failed call waits to see its connection go
 

@@ -7,10 +7,10 @@ import asyncio
 
 import uvicorn
 
-from gateway.app import create_app
-from gateway.backend import Backend, GatewayConfig
-from gateway.grpc_api import start_grpc
-from services.common.log import configure_logging, get_logger
+from ferry.gateway.app import create_app
+from ferry.gateway.backend import Backend, GatewayConfig
+from ferry.gateway.grpc_api import start_grpc
+from ferry.services.common.log import configure_logging, get_logger
 
 log = get_logger(__name__)
 GRACE_S = 5.0

@@ -11,9 +11,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway import metrics
-from gateway.backend import Backend, for_choice
-from protos import common_pb2
+from ferry.gateway import metrics
+from ferry.gateway.backend import Backend, for_choice
+from ferry.protos import common_pb2
 
 
 @dataclass

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from protos import common_pb2
+from ferry.protos import common_pb2
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"

@@ -10,26 +10,26 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gateway.backend import GatewayConfig
-from infra import flags
-from infra.launcher import WORKER_ROLES
-from infra.restarts import RESTART_MODES
-from services.common.channels import KEEPALIVE_S
-from services.common.config import ServiceConfig
-from services.common.worker import WorkerConfig
-from services.engine.model.presets import PRESETS
-from services.eplb_controller.service import EplbConfig
-from services.scheduler.service import SchedulerConfig
+from ferry.gateway.backend import GatewayConfig
+from ferry.infra import flags
+from ferry.infra.launcher import WORKER_ROLES
+from ferry.infra.restarts import RESTART_MODES
+from ferry.services.common.channels import KEEPALIVE_S
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.worker import WorkerConfig
+from ferry.services.engine.model.presets import PRESETS
+from ferry.services.eplb_controller.service import EplbConfig
+from ferry.services.scheduler.service import SchedulerConfig
 
 if TYPE_CHECKING:
-    from infra.launcher import ClusterSpec
-    from services.common.server import Service
+    from ferry.infra.launcher import ClusterSpec
+    from ferry.services.common.server import Service
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
-    from services.engine.model.loader import export_preset
+    from ferry.services.engine.model.loader import export_preset
 
     path = export_preset(args.name, args.dir, max_shard_bytes=args.max_shard_bytes)
     print(f"wrote preset {args.name!r} as a HF checkpoint in {path}")
@@ -37,8 +37,8 @@ def _export_preset(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from services.common import channels, server
-    from services.common.log import configure_logging
+    from ferry.services.common import channels, server
+    from ferry.services.common.log import configure_logging
 
     try:  # flags that no service could run with: a usage error, before anything starts
         channels.configure(args.keepalive)
@@ -47,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ferry serve {args.role}: {e}", file=sys.stderr)
         return 2
     if isinstance(config, GatewayConfig):
-        from gateway.server import main as serve_gateway
+        from ferry.gateway.server import main as serve_gateway
 
         return serve_gateway(config, args.log_level)
     cfg = config.service
@@ -69,22 +69,22 @@ def _role_config(
 
 def _service(role: str, config: SchedulerConfig | EplbConfig | WorkerConfig) -> Service:
     if isinstance(config, SchedulerConfig):
-        from services.scheduler.service import Scheduler
+        from ferry.services.scheduler.service import Scheduler
 
         return Scheduler(config)
     if isinstance(config, EplbConfig):
-        from services.eplb_controller.service import EplbController
+        from ferry.services.eplb_controller.service import EplbController
 
         return EplbController(config)
-    from services.decode_worker.service import AggregatedWorker, DecodeWorker
-    from services.prefill_worker.service import PrefillWorker
+    from ferry.services.decode_worker.service import AggregatedWorker, DecodeWorker
+    from ferry.services.prefill_worker.service import PrefillWorker
 
     kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}
     return kind[role](config)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from infra.launcher import run
+    from ferry.infra.launcher import run
 
     try:
         spec = cluster_spec(args)
@@ -97,9 +97,9 @@ def _up(args: argparse.Namespace) -> int:
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     """What `ferry up` starts, from its flags. ValueError when a role's extra flags are not
     flags of `ferry serve ROLE` (found now, not when every worker fails to start)."""
-    from infra.launcher import ClusterSpec
-    from infra.restarts import RestartPolicy
-    from services.common import channels
+    from ferry.infra.launcher import ClusterSpec
+    from ferry.infra.restarts import RestartPolicy
+    from ferry.services.common import channels
 
     if args.schedulers < 1:
         raise ValueError(f"--schedulers {args.schedulers}: a cluster needs at least one")
@@ -148,7 +148,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
-    from services.common import channels
+    from ferry.services.common import channels
 
     try:
         args = build_parser().parse_args(["serve", role, *extra])
@@ -170,8 +170,8 @@ def _pd_count(given: int | None, aggregated: int) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from infra.status import status
-    from services.common.cluster_state import ClusterStateError
+    from ferry.infra.status import status
+    from ferry.services.common.cluster_state import ClusterStateError
 
     try:
         print(asyncio.run(status(args.redis_url, args.cluster)))

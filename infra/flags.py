@@ -7,16 +7,16 @@ import argparse
 import os
 from typing import Any
 
-from gateway.backend import GatewayConfig
-from services.common.channels import KEEPALIVE_S
-from services.common.config import ServiceConfig
-from services.common.worker import WorkerConfig
-from services.engine import EngineConfig
-from services.engine.config import DTYPES
-from services.eplb_controller.service import EplbConfig
-from services.kv_transfer.transport import transport_names
-from services.scheduler.policies import POLICIES
-from services.scheduler.service import SchedulerConfig
+from ferry.gateway.backend import GatewayConfig
+from ferry.services.common.channels import KEEPALIVE_S
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.worker import WorkerConfig
+from ferry.services.engine import EngineConfig
+from ferry.services.engine.config import DTYPES
+from ferry.services.eplb_controller.service import EplbConfig
+from ferry.services.kv_transfer.transport import transport_names
+from ferry.services.scheduler.policies import POLICIES
+from ferry.services.scheduler.service import SchedulerConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 

@@ -28,13 +28,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.children import die_with_parent
-from infra.ports import free_port
-from infra.redis_server import redis_answers, redis_command, start_redis
-from infra.restarts import Backoff, RestartPolicy
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from ferry.infra.children import die_with_parent
+from ferry.infra.ports import free_port
+from ferry.infra.redis_server import redis_answers, redis_command, start_redis
+from ferry.infra.restarts import Backoff, RestartPolicy
+from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
 WORKER_ROLES = ("prefill", "decode", "aggregated")
+# -P: the working directory is not put on a child's sys.path; a checkout's top-level folders
+# (kernels/, services/, ...) would otherwise shadow other distributions' modules of that name.
+SERVE = (sys.executable, "-P", "-m", "ferry.infra.cli", "serve")
 STOP_GRACE_S = 10.0  # SIGTERM, then this long before SIGKILL
 
 
@@ -118,7 +121,7 @@ class Launcher:
     ) -> None:
         port = port or free_port(self.spec.host)
         metrics_port = free_port(self.spec.host)
-        cmd = [sys.executable, "-m", "infra.cli", "serve", role, "--worker-id", name,
+        cmd = [*SERVE, role, "--worker-id", name,
                "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
                "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
                *self.spec.serve_args.get(role, []), *(extra or [])]  # fmt: skip
@@ -133,7 +136,7 @@ class Launcher:
     def _spawn_gateway(self) -> None:
         s = self.spec
         schedulers = ",".join(c.address for c in self.children if c.role == "scheduler")
-        cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--host", s.host,
+        cmd = [*SERVE, "gateway", "--host", s.host,
                "--port", str(s.gateway_port), "--grpc-port", str(s.grpc_port),
                "--scheduler", schedulers, *s.serve_args.get("gateway", [])]  # fmt: skip
         proc = _popen(cmd)

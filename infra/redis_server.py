@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from infra.children import die_with_parent
+from ferry.infra.children import die_with_parent
 
 
 def redis_command(port: int, host: str = "127.0.0.1") -> list[str]:

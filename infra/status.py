@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from services.common.cluster_state import ClusterState, WorkerView
+from ferry.services.common.cluster_state import ClusterState, WorkerView
 
 COLUMNS = ("worker", "role", "address", "health", "running", "waiting", "queued_tokens",
            "kv_used", "kv_total", "kv_cached")  # fmt: skip

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 # Importing the backends registers them.
-from kernels import fused_moe as _fused_moe
-from kernels import mla_decode as _mla_decode
-from kernels import mla_prefill as _mla_prefill
-from kernels import moe_routing as _moe_routing
-from kernels import rmsnorm as _rmsnorm
-from kernels.dispatch import get_backend, implementations, resolve, set_backend
+from ferry.kernels import fused_moe as _fused_moe
+from ferry.kernels import mla_decode as _mla_decode
+from ferry.kernels import mla_prefill as _mla_prefill
+from ferry.kernels import moe_routing as _moe_routing
+from ferry.kernels import rmsnorm as _rmsnorm
+from ferry.kernels.dispatch import get_backend, implementations, resolve, set_backend
 
 _REFERENCES = (_fused_moe, _mla_decode, _mla_prefill, _moe_routing, _rmsnorm)
 

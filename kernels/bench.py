@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kernels import dispatch
+from ferry.kernels import dispatch
 
 
 @dataclass(frozen=True)
@@ -381,7 +381,7 @@ MODEL_TOLERANCE = 1e-4
 
 @functools.lru_cache(maxsize=2)
 def _model(preset: str, dtype: torch.dtype) -> Any:
-    from services.engine.model import load_model
+    from ferry.services.engine.model import load_model
 
     return load_model(preset, dtype, DEVICE)
 
@@ -397,7 +397,7 @@ def _on_backend(backend: str, fn: Callable[[], Any]) -> Any:
 def _model_logits_row(preset: str, attention: str, tokens: int) -> dict[str, Any]:
     """float32 logits of one prompt through the paged cache (blocks of 16): the prefill path
     ("expanded") or every position as a decode query over the cache ("absorbed")."""
-    from services.engine.model import prompt_logits
+    from ferry.services.engine.model import prompt_logits
 
     row: dict[str, Any] = {
         "op": "model_logits", "shape": {"preset": preset, "attention": attention, "tokens": tokens},
@@ -417,7 +417,7 @@ def _model_logits_row(preset: str, attention: str, tokens: int) -> dict[str, Any
 def _model_step_row(preset: str, sequences: int, context: int, new_tokens: int) -> dict[str, Any]:
     """One bfloat16 forward of ``sequences`` requests, each adding ``new_tokens`` after
     ``context - new_tokens`` cached ones (1: a decode step), timed on each backend."""
-    from services.engine.model import ForwardBatch
+    from ferry.services.engine.model import ForwardBatch
 
     kind = "model_decode_step" if new_tokens == 1 else "model_prefill"
     row: dict[str, Any] = {
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "kernels.bench", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "ferry.kernels.bench", *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": machine,
         "ceilings": ceilings,

@@ -29,20 +29,20 @@ from typing import Any
 
 import torch
 
-from kernels import bench, dispatch
+from ferry.kernels import bench, dispatch
 
 DEFAULT_OUT = "loadtest/results/kernel_tuning.json"
 
 
 def _decode_tilings() -> Iterator[Any]:
-    from kernels.mla_decode.triton_kernel import DecodeBlocks
+    from ferry.kernels.mla_decode.triton_kernel import DecodeBlocks
 
     for h, n, warps, stages in itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3)):
         yield DecodeBlocks(block_h=h, block_n=n, num_warps=warps, num_stages=stages)
 
 
 def _moe_tilings() -> Iterator[Any]:
-    from kernels.fused_moe.triton_kernel import MoEBlocks
+    from ferry.kernels.fused_moe.triton_kernel import MoEBlocks
 
     tiles = ((64, 64), (128, 64), (64, 128), (128, 128))
     for m, (n, k), warps in itertools.product((16, 32, 64, 128), tiles, (4, 8)):
@@ -50,7 +50,7 @@ def _moe_tilings() -> Iterator[Any]:
 
 
 def _prefill_tilings() -> Iterator[Any]:
-    from kernels.mla_prefill.triton_kernel import PrefillBlocks
+    from ferry.kernels.mla_prefill.triton_kernel import PrefillBlocks
 
     for m, n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
         yield PrefillBlocks(block_m=m, block_n=n, num_warps=warps, num_stages=stages)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "kernels.tune", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "ferry.kernels.tune", *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": bench._machine(),
         "complete": False,

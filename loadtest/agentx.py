@@ -61,7 +61,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.chat_template import ChatTemplate
+from ferry.gateway.chat_template import ChatTemplate
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 TRACE_VERSION = 1

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.model import export_preset
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.model import export_preset
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:

@@ -35,10 +35,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from services.engine.experts import ExpertPlacement
-from services.engine.model import model_config
-from services.eplb_controller import balancedness, rebalance, slots_changed
-from services.eplb_controller.reference_eplb import rebalance_experts
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import model_config
+from ferry.services.eplb_controller import balancedness, rebalance, slots_changed
+from ferry.services.eplb_controller.reference_eplb import rebalance_experts
 
 
 class Config(NamedTuple):

@@ -25,10 +25,10 @@ from pathlib import Path
 import libucx
 import torch
 
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
-from services.kv_transfer.staging import gather_blocks, scatter_blocks
-from services.kv_transfer.ucx import UCX_DEFAULTS
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+from ferry.services.kv_transfer.staging import gather_blocks, scatter_blocks
+from ferry.services.kv_transfer.ucx import UCX_DEFAULTS
 
 BLOCK = 64
 LAYOUTS = {"small": (6, 160, "float32"), "deepseek-v3": (61, 576, "bfloat16")}
@@ -41,7 +41,7 @@ RUNS = [("ucx", "contiguous"), ("ucx", "scattered"), ("grpc", "contiguous")]
 def exporter(
     transport: str, layers: int, dim: int, dtype: str, sizes: list[int], blocks: str
 ) -> tuple[subprocess.Popen[str], list[KvHandle]]:
-    cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--transport", transport,
+    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--transport", transport,
            "--layers", str(layers), "--dim", str(dim), "--dtype", dtype, "--block-size", str(BLOCK),
            "--blocks", str(max(sizes)), "--reuse-blocks", "--lease-seconds", "600",
            "--sizes", ",".join(map(str, sizes))]  # fmt: skip

@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from infra.launcher import ClusterSpec, Launcher
-from infra.ports import free_port
-from protos import common_pb2, ferry_pb2, ferry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from ferry.infra.launcher import ClusterSpec, Launcher
+from ferry.infra.ports import free_port
+from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 Stub = scheduler_pb2_grpc.SchedulerStub | ferry_pb2_grpc.FerryStub
 

@@ -38,10 +38,10 @@ from pathlib import Path
 import grpc
 import torch
 
-from infra.launcher import ClusterSpec, Launcher
-from infra.ports import free_port
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.engine import Engine, EngineConfig, SamplingParams
+from ferry.infra.launcher import ClusterSpec, Launcher
+from ferry.infra.ports import free_port
+from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
 
 def workload(n: int, seed: int, prompt: tuple[int, int]) -> list[list[int]]:

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels as ops
-from infra.ports import free_port
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.expert_parallel import EPGroup, combine, dispatch
-from services.engine.experts import ExpertPlacement
-from services.engine.model import load_model, model_config
+from ferry import kernels as ops
+from ferry.infra.ports import free_port
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.expert_parallel import EPGroup, combine, dispatch
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import load_model, model_config
 
 
 def _layer_rank(rank: int, size: int, master: str, model: str, tokens: int, iters: int,

@@ -52,7 +52,7 @@ from locust.env import Environment  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 from locust.runners import STATE_CLEANUP, STATE_STOPPED, STATE_STOPPING  # noqa: E402
 
-from gateway.sdk import FerryClient, FerryError  # noqa: E402
+from ferry.gateway.sdk import FerryClient, FerryError  # noqa: E402
 
 REQUEST_TIMEOUT_S = 300.0
 

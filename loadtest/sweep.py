@@ -52,8 +52,8 @@ import numpy as np
 from agentx import WorkloadConfig, generate_sessions, summary, write_trace
 from prometheus_client.parser import text_string_to_metric_families
 
-from infra.ports import free_port
-from services.common.cluster_state import ClusterState
+from ferry.infra.ports import free_port
+from ferry.services.common.cluster_state import ClusterState
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -138,7 +138,7 @@ def ferry_up(config: ClusterConfig, model: str, work_dir: Path) -> Iterator[Runn
     """``ferry up`` with this configuration on free ports; its output goes to a log file."""
     http, grpc_port, sched = free_port(), free_port(), free_port()
     cluster = f"bench-{config.name}"
-    cmd = [sys.executable, "-m", "infra.cli", "up", *config.args, "--model", model,
+    cmd = [sys.executable, "-m", "ferry.infra.cli", "up", *config.args, "--model", model,
            "--port", str(http), "--grpc-port", str(grpc_port), "--scheduler-port", str(sched),
            "--cluster", cluster]  # fmt: skip
     log = work_dir / f"ferry-up-{config.name}.log"

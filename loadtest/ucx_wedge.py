@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.kv_transfer.ucx import UCX_DEFAULTS, UCX_SERVICE_DEFAULTS
+from ferry.services.kv_transfer.ucx import UCX_DEFAULTS, UCX_SERVICE_DEFAULTS
 
 LAYERS, BLOCKS, BS, DIM = 4, 256, 16, 1024  # 64 KiB per block and layer: 64 MB a pull
 PROBE_TIMEOUT_S = 5.0
 
 
 def exporter() -> tuple[subprocess.Popen[str], list[Any]]:
-    from services.kv_transfer import KvHandle
+    from ferry.services.kv_transfer import KvHandle
 
-    cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--transport", "ucx",
+    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--transport", "ucx",
            "--layers", str(LAYERS), "--blocks", str(BLOCKS), "--block-size", str(BS),
            "--dim", str(DIM), "--sizes", ",".join(["256"] * 200), "--contiguous",
            "--reuse-blocks"]  # fmt: skip
@@ -49,9 +49,9 @@ def trial(max_kills: int, one_loop: bool) -> dict[str, Any]:
     """One importer process: kill exporters under it until it is wedged (or max_kills)."""
     import torch
 
-    from services.engine.kv_cache import KVCacheManager
-    from services.kv_transfer import KvImporter, LayoutFingerprint, TransferError
-    from services.kv_transfer.ucx import UcxTransport
+    from ferry.services.engine.kv_cache import KVCacheManager
+    from ferry.services.kv_transfer import KvImporter, LayoutFingerprint, TransferError
+    from ferry.services.kv_transfer.ucx import UcxTransport
 
     cache, kv = torch.zeros(LAYERS, BLOCKS, BS, DIM), KVCacheManager(BLOCKS, BS)
     layout = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)

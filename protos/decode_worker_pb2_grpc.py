@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import decode_worker_pb2 as protos_dot_decode__worker__pb2
+from ferry.protos import common_pb2 as ferry_dot_protos_dot_common__pb2
+from ferry.protos import decode_worker_pb2 as ferry_dot_protos_dot_decode__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/decode_worker_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/decode_worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/ferry.v1.DecodeWorker/Decode',
-                request_serializer=protos_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.TokenChunk.FromString,
+                request_serializer=ferry_dot_protos_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ferry.v1.DecodeWorker/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortReply.FromString,
+                request_serializer=ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_decode__worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_decode__worker__pb2.DecodeRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.AbortReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class DecodeWorker:
             request,
             target,
             '/ferry.v1.DecodeWorker/Decode',
-            protos_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_common__pb2.TokenChunk.FromString,
+            ferry_dot_protos_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class DecodeWorker:
             request,
             target,
             '/ferry.v1.DecodeWorker/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortReply.FromString,
+            ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import eplb_pb2 as protos_dot_eplb__pb2
+from ferry.protos import eplb_pb2 as ferry_dot_protos_dot_eplb__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/eplb_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/eplb_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class ExpertPlacementStub:
         """
         self.ApplyPlacement = channel.unary_unary(
                 '/ferry.v1.ExpertPlacement/ApplyPlacement',
-                request_serializer=protos_dot_eplb__pb2.ApplyPlacementRequest.SerializeToString,
-                response_deserializer=protos_dot_eplb__pb2.PlacementApplied.FromString,
+                request_serializer=ferry_dot_protos_dot_eplb__pb2.ApplyPlacementRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_eplb__pb2.PlacementApplied.FromString,
                 _registered_method=True)
         self.GetPlacement = channel.unary_unary(
                 '/ferry.v1.ExpertPlacement/GetPlacement',
-                request_serializer=protos_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
-                response_deserializer=protos_dot_eplb__pb2.PlacementMap.FromString,
+                request_serializer=ferry_dot_protos_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_eplb__pb2.PlacementMap.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_ExpertPlacementServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ApplyPlacement': grpc.unary_unary_rpc_method_handler(
                     servicer.ApplyPlacement,
-                    request_deserializer=protos_dot_eplb__pb2.ApplyPlacementRequest.FromString,
-                    response_serializer=protos_dot_eplb__pb2.PlacementApplied.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_eplb__pb2.ApplyPlacementRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_eplb__pb2.PlacementApplied.SerializeToString,
             ),
             'GetPlacement': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlacement,
-                    request_deserializer=protos_dot_eplb__pb2.GetPlacementRequest.FromString,
-                    response_serializer=protos_dot_eplb__pb2.PlacementMap.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_eplb__pb2.GetPlacementRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_eplb__pb2.PlacementMap.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class ExpertPlacement:
             request,
             target,
             '/ferry.v1.ExpertPlacement/ApplyPlacement',
-            protos_dot_eplb__pb2.ApplyPlacementRequest.SerializeToString,
-            protos_dot_eplb__pb2.PlacementApplied.FromString,
+            ferry_dot_protos_dot_eplb__pb2.ApplyPlacementRequest.SerializeToString,
+            ferry_dot_protos_dot_eplb__pb2.PlacementApplied.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class ExpertPlacement:
             request,
             target,
             '/ferry.v1.ExpertPlacement/GetPlacement',
-            protos_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
-            protos_dot_eplb__pb2.PlacementMap.FromString,
+            ferry_dot_protos_dot_eplb__pb2.GetPlacementRequest.SerializeToString,
+            ferry_dot_protos_dot_eplb__pb2.PlacementMap.FromString,
             options,
             channel_credentials,
             insecure,
@@ -157,13 +157,13 @@ class EplbControllerStub:
         """
         self.Rebalance = channel.unary_unary(
                 '/ferry.v1.EplbController/Rebalance',
-                request_serializer=protos_dot_eplb__pb2.RebalanceRequest.SerializeToString,
-                response_deserializer=protos_dot_eplb__pb2.RebalanceReply.FromString,
+                request_serializer=ferry_dot_protos_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_eplb__pb2.RebalanceReply.FromString,
                 _registered_method=True)
         self.GroupStatus = channel.unary_unary(
                 '/ferry.v1.EplbController/GroupStatus',
-                request_serializer=protos_dot_eplb__pb2.GroupStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_eplb__pb2.GroupStatusReply.FromString,
+                request_serializer=ferry_dot_protos_dot_eplb__pb2.GroupStatusRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_eplb__pb2.GroupStatusReply.FromString,
                 _registered_method=True)
 
 
@@ -188,13 +188,13 @@ def add_EplbControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Rebalance': grpc.unary_unary_rpc_method_handler(
                     servicer.Rebalance,
-                    request_deserializer=protos_dot_eplb__pb2.RebalanceRequest.FromString,
-                    response_serializer=protos_dot_eplb__pb2.RebalanceReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_eplb__pb2.RebalanceRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_eplb__pb2.RebalanceReply.SerializeToString,
             ),
             'GroupStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GroupStatus,
-                    request_deserializer=protos_dot_eplb__pb2.GroupStatusRequest.FromString,
-                    response_serializer=protos_dot_eplb__pb2.GroupStatusReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_eplb__pb2.GroupStatusRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_eplb__pb2.GroupStatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,8 +222,8 @@ class EplbController:
             request,
             target,
             '/ferry.v1.EplbController/Rebalance',
-            protos_dot_eplb__pb2.RebalanceRequest.SerializeToString,
-            protos_dot_eplb__pb2.RebalanceReply.FromString,
+            ferry_dot_protos_dot_eplb__pb2.RebalanceRequest.SerializeToString,
+            ferry_dot_protos_dot_eplb__pb2.RebalanceReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -249,8 +249,8 @@ class EplbController:
             request,
             target,
             '/ferry.v1.EplbController/GroupStatus',
-            protos_dot_eplb__pb2.GroupStatusRequest.SerializeToString,
-            protos_dot_eplb__pb2.GroupStatusReply.FromString,
+            ferry_dot_protos_dot_eplb__pb2.GroupStatusRequest.SerializeToString,
+            ferry_dot_protos_dot_eplb__pb2.GroupStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import ferry_pb2 as protos_dot_ferry__pb2
+from ferry.protos import common_pb2 as ferry_dot_protos_dot_common__pb2
+from ferry.protos import ferry_pb2 as ferry_dot_protos_dot_ferry__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/ferry_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/ferry_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class FerryStub:
         """
         self.Generate = channel.unary_stream(
                 '/ferry.v1.Ferry/Generate',
-                request_serializer=protos_dot_ferry__pb2.TextGenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.TokenChunk.FromString,
+                request_serializer=ferry_dot_protos_dot_ferry__pb2.TextGenerateRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/ferry.v1.Ferry/ListModels',
-                request_serializer=protos_dot_ferry__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_ferry__pb2.ListModelsReply.FromString,
+                request_serializer=ferry_dot_protos_dot_ferry__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_ferry__pb2.ListModelsReply.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_FerryServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_ferry__pb2.TextGenerateRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_ferry__pb2.TextGenerateRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.TokenChunk.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_ferry__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_ferry__pb2.ListModelsReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_ferry__pb2.ListModelsRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_ferry__pb2.ListModelsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class Ferry:
             request,
             target,
             '/ferry.v1.Ferry/Generate',
-            protos_dot_ferry__pb2.TextGenerateRequest.SerializeToString,
-            protos_dot_common__pb2.TokenChunk.FromString,
+            ferry_dot_protos_dot_ferry__pb2.TextGenerateRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class Ferry:
             request,
             target,
             '/ferry.v1.Ferry/ListModels',
-            protos_dot_ferry__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_ferry__pb2.ListModelsReply.FromString,
+            ferry_dot_protos_dot_ferry__pb2.ListModelsRequest.SerializeToString,
+            ferry_dot_protos_dot_ferry__pb2.ListModelsReply.FromString,
             options,
             channel_credentials,
             insecure,

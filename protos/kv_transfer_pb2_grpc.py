@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import kv_transfer_pb2 as protos_dot_kv__transfer__pb2
+from ferry.protos import kv_transfer_pb2 as ferry_dot_protos_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class KvTransferStub:
         """
         self.Pull = channel.unary_stream(
                 '/ferry.v1.KvTransfer/Pull',
-                request_serializer=protos_dot_kv__transfer__pb2.KvPullRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.KvChunk.FromString,
+                request_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvPullRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvChunk.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/ferry.v1.KvTransfer/Release',
-                request_serializer=protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
+                request_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
                 _registered_method=True)
         self.Extend = channel.unary_unary(
                 '/ferry.v1.KvTransfer/Extend',
-                request_serializer=protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
+                request_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=protos_dot_kv__transfer__pb2.KvPullRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.KvChunk.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvPullRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvChunk.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=protos_dot_kv__transfer__pb2.KvLeaseRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.KvLeaseReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.SerializeToString,
             ),
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
-                    request_deserializer=protos_dot_kv__transfer__pb2.KvLeaseRequest.FromString,
-                    response_serializer=protos_dot_kv__transfer__pb2.KvLeaseReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class KvTransfer:
             request,
             target,
             '/ferry.v1.KvTransfer/Pull',
-            protos_dot_kv__transfer__pb2.KvPullRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.KvChunk.FromString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvPullRequest.SerializeToString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class KvTransfer:
             request,
             target,
             '/ferry.v1.KvTransfer/Release',
-            protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class KvTransfer:
             request,
             target,
             '/ferry.v1.KvTransfer/Extend',
-            protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
-            protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseRequest.SerializeToString,
+            ferry_dot_protos_dot_kv__transfer__pb2.KvLeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

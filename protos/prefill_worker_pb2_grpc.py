@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import prefill_worker_pb2 as protos_dot_prefill__worker__pb2
+from ferry.protos import common_pb2 as ferry_dot_protos_dot_common__pb2
+from ferry.protos import prefill_worker_pb2 as ferry_dot_protos_dot_prefill__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/prefill_worker_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/prefill_worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/ferry.v1.PrefillWorker/Prefill',
-                request_serializer=protos_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__worker__pb2.PrefillResult.FromString,
+                request_serializer=ferry_dot_protos_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_prefill__worker__pb2.PrefillResult.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/ferry.v1.PrefillWorker/Release',
-                request_serializer=protos_dot_prefill__worker__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=protos_dot_prefill__worker__pb2.ReleaseReply.FromString,
+                request_serializer=ferry_dot_protos_dot_prefill__worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_prefill__worker__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ferry.v1.PrefillWorker/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortReply.FromString,
+                request_serializer=ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_prefill__worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_prefill__worker__pb2.PrefillResult.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_prefill__worker__pb2.PrefillRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_prefill__worker__pb2.PrefillResult.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=protos_dot_prefill__worker__pb2.ReleaseRequest.FromString,
-                    response_serializer=protos_dot_prefill__worker__pb2.ReleaseReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_prefill__worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_prefill__worker__pb2.ReleaseReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.AbortReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,8 +118,8 @@ class PrefillWorker:
             request,
             target,
             '/ferry.v1.PrefillWorker/Prefill',
-            protos_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_prefill__worker__pb2.PrefillResult.FromString,
+            ferry_dot_protos_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
+            ferry_dot_protos_dot_prefill__worker__pb2.PrefillResult.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,8 +145,8 @@ class PrefillWorker:
             request,
             target,
             '/ferry.v1.PrefillWorker/Release',
-            protos_dot_prefill__worker__pb2.ReleaseRequest.SerializeToString,
-            protos_dot_prefill__worker__pb2.ReleaseReply.FromString,
+            ferry_dot_protos_dot_prefill__worker__pb2.ReleaseRequest.SerializeToString,
+            ferry_dot_protos_dot_prefill__worker__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,8 +172,8 @@ class PrefillWorker:
             request,
             target,
             '/ferry.v1.PrefillWorker/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortReply.FromString,
+            ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos import common_pb2 as protos_dot_common__pb2
-from protos import scheduler_pb2 as protos_dot_scheduler__pb2
+from ferry.protos import common_pb2 as ferry_dot_protos_dot_common__pb2
+from ferry.protos import scheduler_pb2 as ferry_dot_protos_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/scheduler_pb2_grpc.py depends on'
+        + ' but the generated code in ferry/protos/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class SchedulerStub:
         """
         self.Generate = channel.unary_stream(
                 '/ferry.v1.Scheduler/Generate',
-                request_serializer=protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.TokenChunk.FromString,
+                request_serializer=ferry_dot_protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ferry.v1.Scheduler/Abort',
-                request_serializer=protos_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_common__pb2.AbortReply.FromString,
+                request_serializer=ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/ferry.v1.Scheduler/ClusterStatus',
-                request_serializer=protos_dot_scheduler__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=protos_dot_scheduler__pb2.ClusterStatusReply.FromString,
+                request_serializer=ferry_dot_protos_dot_scheduler__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=ferry_dot_protos_dot_scheduler__pb2.ClusterStatusReply.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_scheduler__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_scheduler__pb2.GenerateRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_common__pb2.AbortReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_common__pb2.AbortReply.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
-                    request_deserializer=protos_dot_scheduler__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=protos_dot_scheduler__pb2.ClusterStatusReply.SerializeToString,
+                    request_deserializer=ferry_dot_protos_dot_scheduler__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=ferry_dot_protos_dot_scheduler__pb2.ClusterStatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,8 +118,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/Generate',
-            protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
-            protos_dot_common__pb2.TokenChunk.FromString,
+            ferry_dot_protos_dot_scheduler__pb2.GenerateRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,8 +145,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/Abort',
-            protos_dot_common__pb2.AbortRequest.SerializeToString,
-            protos_dot_common__pb2.AbortReply.FromString,
+            ferry_dot_protos_dot_common__pb2.AbortRequest.SerializeToString,
+            ferry_dot_protos_dot_common__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,8 +172,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/ClusterStatus',
-            protos_dot_scheduler__pb2.ClusterStatusRequest.SerializeToString,
-            protos_dot_scheduler__pb2.ClusterStatusReply.FromString,
+            ferry_dot_protos_dot_scheduler__pb2.ClusterStatusRequest.SerializeToString,
+            ferry_dot_protos_dot_scheduler__pb2.ClusterStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

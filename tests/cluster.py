@@ -19,9 +19,9 @@ from typing import TypeVar
 
 import grpc
 
-from infra.ports import free_port
-from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.common.cluster_state import ClusterState, WorkerView
+from ferry.infra.ports import free_port
+from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.common.cluster_state import ClusterState, WorkerView
 
 T = TypeVar("T")
 
@@ -146,7 +146,7 @@ def ferry_up(
 ) -> Iterator[Cluster]:
     """`ferry up` against ``redis_url`` ("": its own private redis-server)."""
     port, http, public = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "infra.cli", "up", "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "ferry.infra.cli", "up", "--redis-url", redis_url,
            "--scheduler-port", str(port), "--port", str(http), "--grpc-port", str(public),
            "--cluster", cluster, *args]  # fmt: skip
     # an O_APPEND file, read by path: the children share its offset, so the test must not move it

@@ -10,7 +10,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from services.common.channels import server_options
+from ferry.services.common.channels import server_options
 
 _PROCESS = """
 import asyncio, sys

@@ -6,8 +6,8 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from infra.ports import free_port
-from infra.redis_server import start_redis
+from ferry.infra.ports import free_port
+from ferry.infra.redis_server import start_redis
 
 
 class RedisServer:

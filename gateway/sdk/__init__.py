@@ -1,7 +1,7 @@
 """Ferry's Python client SDK (over the gateway's public gRPC API, ``ferry.v1.Ferry``)."""
 
-from gateway.sdk.client import AsyncFerryClient, FerryClient
-from gateway.sdk.errors import (
+from ferry.gateway.sdk.client import AsyncFerryClient, FerryClient
+from ferry.gateway.sdk.errors import (
     AuthenticationError,
     FerryError,
     InvalidRequestError,
@@ -10,7 +10,7 @@ from gateway.sdk.errors import (
     TimeoutError,
     UnavailableError,
 )
-from gateway.sdk.types import Chunk, Completion, Model, Usage
+from ferry.gateway.sdk.types import Chunk, Completion, Model, Usage
 
 __all__ = ["AsyncFerryClient", "AuthenticationError", "Chunk", "Completion", "FerryClient",
            "FerryError", "InvalidRequestError", "Model", "NotFoundError", "RateLimitError",

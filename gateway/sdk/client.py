@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 
-from gateway.sdk.errors import from_rpc_error
-from gateway.sdk.types import Chunk, Completion, Model, Usage
-from protos import common_pb2, ferry_pb2, ferry_pb2_grpc
+from ferry.gateway.sdk.errors import from_rpc_error
+from ferry.gateway.sdk.types import Chunk, Completion, Model, Usage
+from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import register
+from ferry.kernels.dispatch import register
 
 
 @register("fused_moe", "torch")

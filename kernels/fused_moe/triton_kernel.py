@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import register
-from kernels.triton_common import empty, mma, next_pow2, to_dtype
+from ferry.kernels.dispatch import register
+from ferry.kernels.triton_common import empty, mma, next_pow2, to_dtype
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-from kernels.dispatch import register_lazy
-from kernels.mla_decode.reference import mla_decode_torch
+from ferry.kernels.dispatch import register_lazy
+from ferry.kernels.mla_decode.reference import mla_decode_torch
 
-register_lazy("mla_decode", "triton", "kernels.mla_decode.triton_kernel")
+register_lazy("mla_decode", "triton", "ferry.kernels.mla_decode.triton_kernel")
 
 __all__ = ["mla_decode_torch"]

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from kernels.dispatch import register
+from ferry.kernels.dispatch import register
 
 # NOTE: gathering the paged context into a fresh tensor every call costs ~8x the copy itself
 # (a new multi-MB allocation faults in its pages); a per-thread buffer, grown as needed, avoids it.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import register
+from ferry.kernels.dispatch import register
 
 
 @register("moe_route", "torch")

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import register
-from kernels.triton_common import empty, next_pow2
+from ferry.kernels.dispatch import register
+from ferry.kernels.triton_common import empty, next_pow2
 
 BLOCK_T = 16  # tokens per program
 

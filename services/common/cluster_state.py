@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.log import get_logger
+from ferry.services.common.log import get_logger
 
 log = get_logger(__name__)
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)

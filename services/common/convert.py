@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 
-from protos import common_pb2 as pb
-from protos import decode_worker_pb2, prefill_worker_pb2
-from services.engine.request import RequestOutput, Resumed
-from services.engine.sampling_params import SamplingParams, StructuredOutput
-from services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.protos import common_pb2 as pb
+from ferry.protos import decode_worker_pb2, prefill_worker_pb2
+from ferry.services.engine.request import RequestOutput, Resumed
+from ferry.services.engine.sampling_params import SamplingParams, StructuredOutput
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")  # fmt: skip

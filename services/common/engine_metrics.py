@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.engine import AsyncEngine
+from ferry.services.engine import AsyncEngine
 
 
 class EngineMetrics(Collector):

@@ -6,7 +6,7 @@ import errno
 
 from prometheus_client import start_http_server
 
-from services.common.log import get_logger
+from ferry.services.common.log import get_logger
 
 log = get_logger(__name__)
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from protos import eplb_pb2, eplb_pb2_grpc
-from services.common.log import get_logger
-from services.engine.expert_rebalance import OrderRejected, PlacementOrder
+from ferry.protos import eplb_pb2, eplb_pb2_grpc
+from ferry.services.common.log import get_logger
+from ferry.services.engine.expert_rebalance import OrderRejected, PlacementOrder
 
 if TYPE_CHECKING:
-    from services.common.worker import EngineWorker
+    from ferry.services.common.worker import EngineWorker
 
 log = get_logger(__name__)
 SERVICE_NAME = "ferry.v1.ExpertPlacement"

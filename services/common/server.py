@@ -16,10 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.channels import server_options
-from services.common.config import ServiceConfig
-from services.common.log import get_logger
-from services.common.metrics_http import start_metrics_server
+from ferry.services.common.channels import server_options
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.log import get_logger
+from ferry.services.common.metrics_http import start_metrics_server
 
 MAX_MESSAGE_BYTES = 64 << 20
 log = get_logger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protos import common_pb2, scheduler_pb2
+from ferry.protos import common_pb2, scheduler_pb2
 
 
 @dataclass

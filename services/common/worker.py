@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from protos import eplb_pb2_grpc
-from services.common.cluster_state import (
+from ferry.protos import eplb_pb2_grpc
+from ferry.services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
     ExpertLoadReport,
@@ -23,18 +23,18 @@ from services.common.cluster_state import (
     LoadReport,
     WorkerRecord,
 )
-from services.common.config import ServiceConfig
-from services.common.engine_metrics import ENGINES
-from services.common.log import get_logger
-from services.common.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
-from services.common.placement_service import PlacementServicer
-from services.common.server import Service
-from services.engine import AsyncEngine, Engine, EngineConfig
-from services.engine.expert_parallel import EPGroup
-from services.engine.experts import ExpertPlacement
-from services.engine.model import model_config
-from services.kv_transfer import KvTransport, LayoutFingerprint, TransferError
-from services.kv_transfer.ucx import WEDGED_HINT, stop_service_threads, use_service_defaults
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.engine_metrics import ENGINES
+from ferry.services.common.log import get_logger
+from ferry.services.common.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
+from ferry.services.common.placement_service import PlacementServicer
+from ferry.services.common.server import Service
+from ferry.services.engine import AsyncEngine, Engine, EngineConfig
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import model_config
+from ferry.services.kv_transfer import KvTransport, LayoutFingerprint, TransferError
+from ferry.services.kv_transfer.ucx import WEDGED_HINT, stop_service_threads, use_service_defaults
 
 log = get_logger(__name__)
 KV_EVENTS_PERIOD_S = 0.1

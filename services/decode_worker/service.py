@@ -17,16 +17,22 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
-from services.common import convert
-from services.common.log import bind_request, get_logger
-from services.common.server import abort_with
-from services.common.worker import KV_ERROR_KEY, EngineWorker, WorkerConfig, transfer_status
-from services.decode_worker import metrics
-from services.engine.async_engine import EngineDeadError
-from services.engine.request import ImportedKv, Resumed
-from services.engine.sampling_params import SamplingParams
-from services.kv_transfer import KvHandle, KvImporter, KvTransport, TransferError, create_transport
+from ferry.protos import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
+from ferry.services.common import convert
+from ferry.services.common.log import bind_request, get_logger
+from ferry.services.common.server import abort_with
+from ferry.services.common.worker import KV_ERROR_KEY, EngineWorker, WorkerConfig, transfer_status
+from ferry.services.decode_worker import metrics
+from ferry.services.engine.async_engine import EngineDeadError
+from ferry.services.engine.request import ImportedKv, Resumed
+from ferry.services.engine.sampling_params import SamplingParams
+from ferry.services.kv_transfer import (
+    KvHandle,
+    KvImporter,
+    KvTransport,
+    TransferError,
+    create_transport,
+)
 
 log = get_logger(__name__)
 

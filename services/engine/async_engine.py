@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.config import EngineConfig
-from services.engine.engine import Engine, EngineLoad
-from services.engine.request import ImportedKv, RequestOutput, Resumed
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from ferry.services.engine.config import EngineConfig
+from ferry.services.engine.engine import Engine, EngineLoad
+from ferry.services.engine.request import ImportedKv, RequestOutput, Resumed
+from ferry.services.engine.sampling_params import SamplingParams
+from ferry.services.engine.tokenizer import Tokenizer
 
 DEP_IDLE_POLL_S = 0.05  # an idle group's ranks check in 20 times a second (~3% of a core here)
 

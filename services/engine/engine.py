@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.expert_load import ExpertLoad
-from services.engine.expert_parallel import EPGroup
-from services.engine.expert_rebalance import Rebalancer
-from services.engine.experts import ExpertPlacement
-from services.engine.kv_cache import KVCacheManager
-from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
-from services.engine.output_processor import OutputProcessor, make_output
-from services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
-from services.engine.sampler import Sampler, token_logprobs
-from services.engine.sampling_params import SamplingParams
-from services.engine.step_planner import StepPlan, StepPlanner
-from services.engine.structured import Grammars
-from services.engine.tokenizer import Tokenizer, load_tokenizer
+from ferry.services.engine.config import EngineConfig
+from ferry.services.engine.expert_load import ExpertLoad
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.expert_rebalance import Rebalancer
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
+from ferry.services.engine.output_processor import OutputProcessor, make_output
+from ferry.services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
+from ferry.services.engine.sampler import Sampler, token_logprobs
+from ferry.services.engine.sampling_params import SamplingParams
+from ferry.services.engine.step_planner import StepPlan, StepPlanner
+from ferry.services.engine.structured import Grammars
+from ferry.services.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from services.engine.expert_parallel import EPGroup
-from services.engine.experts import ExpertPlacement
-from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from services.engine.model.layers import MoE
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.layers import MoE
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 
-from services.engine.request import Request
+from ferry.services.engine.request import Request
 
 ROOT_HASH = 0
 DEFAULT_SALT = b"ferry"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.engine.request import Request, RequestOutput
+from ferry.services.engine.request import Request, RequestOutput
 
 
 class OutputProcessor:

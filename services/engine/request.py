@@ -6,11 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import IncrementalDetokenizer
+from ferry.services.engine.sampling_params import SamplingParams
+from ferry.services.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from services.engine.structured import GrammarMatcher
+    from ferry.services.engine.structured import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.request import Request
-from services.engine.structured import mask_logits
+from ferry.services.engine.request import Request
+from ferry.services.engine.structured import mask_logits
 
 
 @dataclass(frozen=True)

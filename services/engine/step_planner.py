@@ -16,8 +16,8 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from services.engine.kv_cache import KVCacheManager
-from services.engine.request import Request, Status
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.engine.request import Request, Status
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """EPLB controller: expert placement (``algorithm``) for a DEP group's MoE layers."""
 
-from services.eplb_controller.algorithm import (
+from ferry.services.eplb_controller.algorithm import (
     Placement,
     balancedness,
     layer_balancedness,

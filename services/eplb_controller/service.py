@@ -24,22 +24,22 @@ import grpc
 import numpy as np
 import torch
 
-from protos import eplb_pb2, eplb_pb2_grpc
-from services.common.channels import ChannelPool
-from services.common.cluster_state import (
+from ferry.protos import eplb_pb2, eplb_pb2_grpc
+from ferry.services.common.channels import ChannelPool
+from ferry.services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
     ExpertLoadReport,
     WorkerRecord,
 )
-from services.common.config import ServiceConfig
-from services.common.log import get_logger
-from services.common.placement_service import placement_map, slot_map
-from services.common.server import Service
-from services.engine.model import model_config
-from services.eplb_controller import metrics
-from services.eplb_controller.algorithm import balancedness, rebalance
-from services.eplb_controller.balance import BalanceWindow, aligned_rows
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.log import get_logger
+from ferry.services.common.placement_service import placement_map, slot_map
+from ferry.services.common.server import Service
+from ferry.services.engine.model import model_config
+from ferry.services.eplb_controller import metrics
+from ferry.services.eplb_controller.algorithm import balancedness, rebalance
+from ferry.services.eplb_controller.balance import BalanceWindow, aligned_rows
 
 log = get_logger(__name__)
 

@@ -7,13 +7,18 @@ import time
 
 import torch
 
-from services.common.log import get_logger
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import metrics
-from services.kv_transfer.handle import KvHandle, LayoutFingerprint, LayoutMismatch, TransferError
-from services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
-from services.kv_transfer.staging import StagingPool, checksum_blocks, gather_blocks
-from services.kv_transfer.transport import KvSink, KvTransport
+from ferry.services.common.log import get_logger
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import metrics
+from ferry.services.kv_transfer.handle import (
+    KvHandle,
+    LayoutFingerprint,
+    LayoutMismatch,
+    TransferError,
+)
+from ferry.services.kv_transfer.leases import DEFAULT_LEASE_SECONDS, Lease, LeaseTable
+from ferry.services.kv_transfer.staging import StagingPool, checksum_blocks, gather_blocks
+from ferry.services.kv_transfer.transport import KvSink, KvTransport
 
 log = get_logger(__name__)
 

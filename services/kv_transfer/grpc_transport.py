@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from protos import kv_transfer_pb2 as pb
-from protos import kv_transfer_pb2_grpc as pb_grpc
-from services.common.channels import ChannelPool, server_options
-from services.kv_transfer.handle import LeaseNotFound, TransferError
-from services.kv_transfer.staging import as_bytes, checksum
-from services.kv_transfer.transport import KvSink, KvTransport, register
+from ferry.protos import kv_transfer_pb2 as pb
+from ferry.protos import kv_transfer_pb2_grpc as pb_grpc
+from ferry.services.common.channels import ChannelPool, server_options
+from ferry.services.kv_transfer.handle import LeaseNotFound, TransferError
+from ferry.services.kv_transfer.staging import as_bytes, checksum
+from ferry.services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
-    from services.kv_transfer.endpoints import KvExporter
-    from services.kv_transfer.handle import KvHandle
+    from ferry.services.kv_transfer.endpoints import KvExporter
+    from ferry.services.kv_transfer.handle import KvHandle
 
 CHUNK_BYTES = 1 << 20  # well under gRPC's 4 MiB message limit
 

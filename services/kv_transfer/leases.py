@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import metrics
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import metrics
 
 DEFAULT_LEASE_SECONDS = 30.0
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from services.kv_transfer.handle import LeaseNotFound
-from services.kv_transfer.staging import checksum_blocks, gather_blocks
-from services.kv_transfer.transport import KvSink, KvTransport, register
+from ferry.services.kv_transfer.handle import LeaseNotFound
+from ferry.services.kv_transfer.staging import checksum_blocks, gather_blocks
+from ferry.services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
-    from services.kv_transfer.endpoints import KvExporter
-    from services.kv_transfer.handle import KvHandle
+    from ferry.services.kv_transfer.endpoints import KvExporter
+    from ferry.services.kv_transfer.handle import KvHandle
 
 _EXPORTERS: dict[int, KvExporter] = {}
 _PORTS = itertools.count(1)

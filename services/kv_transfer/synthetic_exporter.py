@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import KvExporter, LayoutFingerprint, create_transport
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import KvExporter, LayoutFingerprint, create_transport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter_layers
+from ferry.services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter_layers
 
 # After a failed in-place receive, the peer may still be finishing one message it had started
 # writing into the blocks (a rendezvous put already granted): wait this long before the blocks
@@ -18,8 +18,8 @@ from services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter
 IN_PLACE_GRACE_S = 0.5
 
 if TYPE_CHECKING:
-    from services.kv_transfer.endpoints import KvExporter
-    from services.kv_transfer.handle import KvHandle
+    from ferry.services.kv_transfer.endpoints import KvExporter
+    from ferry.services.kv_transfer.handle import KvHandle
 
 
 class KvSink:
@@ -131,7 +131,7 @@ def register(name: str) -> Callable[[type[KvTransport]], type[KvTransport]]:
 
 def transport_names() -> list[str]:
     # Importing the modules registers the transports.
-    from services.kv_transfer import grpc_transport, local, ucx  # noqa: F401
+    from ferry.services.kv_transfer import grpc_transport, local, ucx  # noqa: F401
 
     return sorted(TRANSPORTS)
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from services.common.log import get_logger
-from services.kv_transfer.handle import LeaseNotFound, TransferError
-from services.kv_transfer.staging import (
+from ferry.services.common.log import get_logger
+from ferry.services.kv_transfer.handle import LeaseNotFound, TransferError
+from ferry.services.kv_transfer.staging import (
     TransferPlan,
     block_runs,
     checksum_blocks,
@@ -33,11 +33,11 @@ from services.kv_transfer.staging import (
     layer_chunks,
     runs_of,
 )
-from services.kv_transfer.transport import KvSink, KvTransport, register
+from ferry.services.kv_transfer.transport import KvSink, KvTransport, register
 
 if TYPE_CHECKING:
-    from services.kv_transfer.endpoints import KvExporter
-    from services.kv_transfer.handle import KvHandle
+    from ferry.services.kv_transfer.endpoints import KvExporter
+    from ferry.services.kv_transfer.handle import KvHandle
 
 log = get_logger(__name__)
 

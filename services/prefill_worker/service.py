@@ -14,15 +14,15 @@ import uuid
 
 import grpc
 
-from protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
-from services.common import convert
-from services.common.log import bind_request, get_logger
-from services.common.server import abort_with
-from services.common.worker import EngineWorker, WorkerConfig
-from services.engine.async_engine import EngineDeadError
-from services.engine.request import RequestOutput
-from services.kv_transfer import KvExporter, KvTransport, create_transport
-from services.prefill_worker import metrics
+from ferry.protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+from ferry.services.common import convert
+from ferry.services.common.log import bind_request, get_logger
+from ferry.services.common.server import abort_with
+from ferry.services.common.worker import EngineWorker, WorkerConfig
+from ferry.services.engine.async_engine import EngineDeadError
+from ferry.services.engine.request import RequestOutput
+from ferry.services.kv_transfer import KvExporter, KvTransport, create_transport
+from ferry.services.prefill_worker import metrics
 
 log = get_logger(__name__)
 

@@ -21,16 +21,16 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from services.common.cluster_state import (
+from ferry.services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
     LoadReport,
     WorkerRecord,
     WorkerView,
 )
-from services.common.log import get_logger
-from services.scheduler.policies import Candidate
-from services.scheduler.prefix_index import PrefixIndex
+from ferry.services.common.log import get_logger
+from ferry.services.scheduler.policies import Candidate
+from ferry.services.scheduler.prefix_index import PrefixIndex
 
 log = get_logger(__name__)
 

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.cluster_state import LoadReport, WorkerRecord
+from ferry.services.common.cluster_state import LoadReport, WorkerRecord
 
 
 @dataclass(frozen=True)

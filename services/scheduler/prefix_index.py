@@ -13,8 +13,8 @@ import asyncio
 import time
 from collections.abc import Collection, Sequence
 
-from services.common.cluster_state import ClusterState, ClusterStateError, KvEvents
-from services.common.log import get_logger
+from ferry.services.common.cluster_state import ClusterState, ClusterStateError, KvEvents
+from ferry.services.common.log import get_logger
 
 log = get_logger(__name__)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos import (
+from ferry.protos import (
     common_pb2,
     decode_worker_pb2,
     decode_worker_pb2_grpc,
@@ -45,19 +45,19 @@ from protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from services.common import convert
-from services.common.channels import ChannelPool
-from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
-from services.common.config import ServiceConfig
-from services.common.log import bind_request, get_logger
-from services.common.server import Service, abort_with
-from services.common.streamed import Streamed
-from services.common.worker import KV_ERROR_KEY
-from services.engine.kv_cache import prefix_hashes
-from services.scheduler import metrics
-from services.scheduler.cluster_view import ClusterView
-from services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
-from services.scheduler.prefix_index import follow
+from ferry.services.common import convert
+from ferry.services.common.channels import ChannelPool
+from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
+from ferry.services.common.config import ServiceConfig
+from ferry.services.common.log import bind_request, get_logger
+from ferry.services.common.server import Service, abort_with
+from ferry.services.common.streamed import Streamed
+from ferry.services.common.worker import KV_ERROR_KEY
+from ferry.services.engine.kv_cache import prefix_hashes
+from ferry.services.scheduler import metrics
+from ferry.services.scheduler.cluster_view import ClusterView
+from ferry.services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+from ferry.services.scheduler.prefix_index import follow
 
 log = get_logger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)

@@ -20,8 +20,8 @@ import grpc
 import pytest
 from redis import Redis
 
-from protos import scheduler_pb2, scheduler_pb2_grpc
-from services.engine import Engine, EngineConfig, SamplingParams
+from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint
 from tests.redis_server import RedisServer, redis_server

@@ -26,10 +26,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from infra.ports import free_port
-from protos import common_pb2
-from services.common.convert import sampling_params_to_pb
-from services.engine import Engine, EngineConfig, SamplingParams
+from ferry.infra.ports import free_port
+from ferry.protos import common_pb2
+from ferry.services.common.convert import sampling_params_to_pb
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.helpers import make_hf_checkpoint
 from tests.redis_server import RedisServer, redis_server
@@ -123,7 +123,7 @@ def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
     async def main() -> tuple[float, Result]:
         with cluster_a.stopped("decode-0", "decode-1"):
             async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
-                from protos import scheduler_pb2, scheduler_pb2_grpc
+                from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
                 call = stub.Generate(scheduler_pb2.GenerateRequest(
@@ -141,7 +141,7 @@ def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
 
 def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster_a: Cluster) -> None:
     async def main() -> None:
-        from protos import scheduler_pb2, scheduler_pb2_grpc
+        from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -163,7 +163,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster_a: Cluster) -> N
 
 def test_cancel_between_prefill_and_decode_releases_the_lease(cluster_a: Cluster) -> None:
     async def main() -> None:
-        from protos import scheduler_pb2, scheduler_pb2_grpc
+        from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
         with cluster_a.stopped("decode-0", "decode-1"):
             async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
@@ -232,7 +232,7 @@ def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluste
     """`ferry serve scheduler` on its own, against cluster A's Redis: no request state is
     shared, so both replicas route to the same workers."""
     port = free_port()
-    cmd = [sys.executable, "-m", "infra.cli", "serve", "scheduler", "--worker-id", "scheduler-1",
+    cmd = [sys.executable, "-m", "ferry.infra.cli", "serve", "scheduler", "--worker-id", "scheduler-1",
            "--port", str(port), "--redis-url", cluster_a.redis_url, "--cluster", "a"]  # fmt: skip
     proc = subprocess.Popen(cmd)
     try:
@@ -314,7 +314,7 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
     the scheduler cuts the call). The request goes on from where it was (prefilled again with
     what it had generated, decoded on the other worker); the client gets the tokens and the
     text of a request that never moved: its draws go on from their places."""
-    from protos import scheduler_pb2, scheduler_pb2_grpc
+    from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
     prompt, n = prompts(2)[1], 900
     stopped: list[str] = []
@@ -401,7 +401,7 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     """SIGTERM: the worker leaves the registry at once (nothing new is routed to it) and the
     streams it is serving run to the end within the grace period. Its exit is clean, so `ferry
     up` does not restart it, and new requests go to decode-1 (restarted by the test above)."""
-    from protos import scheduler_pb2, scheduler_pb2_grpc
+    from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
     async def main() -> tuple[list[int], float, int, int]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:

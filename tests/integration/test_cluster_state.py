@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from infra.ports import free_port
-from services.common.cluster_state import (
+from ferry.infra.ports import free_port
+from ferry.services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
     KvEvents,

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
-from services.scheduler.cluster_view import ClusterView
+from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
+from ferry.services.scheduler.cluster_view import ClusterView
 from tests.redis_server import RedisServer, redis_server
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import RedisServer, redis_server
 

@@ -13,9 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from protos import eplb_pb2, eplb_pb2_grpc
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.eplb_controller.balance import measured_balancedness
+from ferry.protos import eplb_pb2, eplb_pb2_grpc
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.eplb_controller.balance import measured_balancedness
 from tests.cluster import Cluster, ferry_up, generate, greedy
 from tests.redis_server import redis_server
 

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from services.common.cluster_state import ClusterState, ExpertLoadReport, WorkerRecord
-from services.common.config import ServiceConfig
-from services.eplb_controller import metrics
-from services.eplb_controller.balance import measured_balancedness
-from services.eplb_controller.service import EplbConfig, EplbController
+from ferry.services.common.cluster_state import ClusterState, ExpertLoadReport, WorkerRecord
+from ferry.services.common.config import ServiceConfig
+from ferry.services.eplb_controller import metrics
+from ferry.services.eplb_controller.balance import measured_balancedness
+from ferry.services.eplb_controller.service import EplbConfig, EplbController
 from tests.redis_server import redis_server
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infra.ports import free_port
-from services.engine.expert_parallel import EPGroup
-from services.engine.experts import ExpertPlacement
-from services.engine.model import load_model, prompt_logits
+from ferry.infra.ports import free_port
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import load_model, prompt_logits
 
 NUM_EXPERTS, MOE_LAYERS = 16, 3  # the tiny preset: 4 layers, the first dense
 
@@ -82,7 +82,7 @@ def test_dep_ranks_match_one_process(size: int, redundant: int) -> None:
 
 
 def _engine_rank(rank: int, size: int, master: str, redundant: int) -> None:
-    from services.engine import Engine, EngineConfig, SamplingParams
+    from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
     torch.set_num_threads(1)
     group = EPGroup.init(size, rank, master, timeout_s=60)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from infra.ports import free_port
-from services.engine.expert_parallel import EPGroup
-from services.engine.expert_rebalance import Move, OrderRejected, PlacementOrder, layer_moves
-from services.engine.experts import ExpertPlacement
+from ferry.infra.ports import free_port
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.expert_rebalance import Move, OrderRejected, PlacementOrder, layer_moves
+from ferry.services.engine.experts import ExpertPlacement
 
 NUM_EXPERTS, MOE_LAYERS, REDUNDANT = 16, 3, 2  # the tiny preset, two extra slots
 
@@ -28,8 +28,8 @@ def shuffled(seed: int) -> torch.Tensor:
 
 
 def _rank(rank: int, size: int, master: str) -> None:
-    from services.engine import Engine, EngineConfig, SamplingParams
-    from services.engine.model import load_model
+    from ferry.services.engine import Engine, EngineConfig, SamplingParams
+    from ferry.services.engine.model import load_model
 
     torch.set_num_threads(1)
     group = EPGroup.init(size, rank, master, timeout_s=60)

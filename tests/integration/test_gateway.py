@@ -18,11 +18,11 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.chat_template import ChatTemplate
-from gateway.sdk import AuthenticationError, FerryClient
-from infra.ports import free_port
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.tokenizer import load_tokenizer
+from ferry.gateway.chat_template import ChatTemplate
+from ferry.gateway.sdk import AuthenticationError, FerryClient
+from ferry.infra.ports import free_port
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.helpers import make_hf_checkpoint
 from tests.redis_server import redis_server
@@ -596,7 +596,7 @@ def test_client_disconnect_mid_stream_frees_the_blocks(
 def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """A `ferry serve gateway` of its own (its gRPC port is kept in _GRPC_PORTS)."""
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "infra.cli", "serve", "gateway", "--port", str(port),
+    cmd = [sys.executable, "-m", "ferry.infra.cli", "serve", "gateway", "--port", str(port),
            "--grpc-port", str(grpc_port), "--scheduler", scheduler, "--model", model,
            *extra]  # fmt: skip
     _GRPC_PORTS[port] = grpc_port

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.cluster_state import ClusterState, KvEvents
-from services.engine.kv_cache import prefix_hashes
-from services.scheduler.prefix_index import PrefixIndex
+from ferry.services.common.cluster_state import ClusterState, KvEvents
+from ferry.services.engine.kv_cache import prefix_hashes
+from ferry.services.scheduler.prefix_index import PrefixIndex
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import redis_server
 

@@ -18,8 +18,8 @@ from typing import IO
 import pytest
 import torch
 
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import (
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import (
     KvExporter,
     KvHandle,
     KvImporter,
@@ -30,8 +30,8 @@ from services.kv_transfer import (
     create_transport,
     metrics,
 )
-from services.kv_transfer.synthetic_exporter import make_cache
-from services.kv_transfer.ucx import UcxTransport
+from ferry.services.kv_transfer.synthetic_exporter import make_cache
+from ferry.services.kv_transfer.ucx import UcxTransport
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
 LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
@@ -41,7 +41,7 @@ LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
 def exporter_process(
     *args: str,
 ) -> Iterator[tuple[subprocess.Popen[str], list[KvHandle], list[list[int]]]]:
-    cmd = [sys.executable, "-m", "services.kv_transfer.synthetic_exporter", "--layers", str(LAYERS), "--blocks",
+    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--layers", str(LAYERS), "--blocks",
            str(BLOCKS), "--block-size", str(BS), "--dim", str(DIM), "--seed", str(SEED), *args]  # fmt: skip
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -138,8 +138,8 @@ def _result(stdout: IO[str]) -> str:
 # A second process that pulls the handles it reads from stdin, one after another, until killed.
 PULL_FOREVER = """
 import asyncio, sys, torch
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
 layers, blocks, bs, dim = map(int, sys.argv[1:5])
 layout = LayoutFingerprint("test-model", "float32", layers, dim, bs)
 handles = [KvHandle.from_json(line) for line in sys.stdin]
@@ -158,9 +158,9 @@ asyncio.run(main())
 # the bytes, says so, then pulls the rest until the exporter is killed under it, and reports.
 SURVIVE_EXPORTER = """
 import asyncio, json, sys, time, torch
-from services.engine.kv_cache import KVCacheManager
-from services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, TransferError, create_transport
-from services.kv_transfer.synthetic_exporter import make_cache
+from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, TransferError, create_transport
+from ferry.services.kv_transfer.synthetic_exporter import make_cache
 layers, blocks, bs, dim, seed = map(int, sys.argv[1:6])
 lines = sys.stdin.read().splitlines()
 src, handles = json.loads(lines[0]), [KvHandle.from_json(line) for line in lines[1:]]
@@ -372,7 +372,7 @@ def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
 # A process whose UCX cannot open connections (no file descriptor left) probes itself.
 PROBE_WITHOUT_FDS = """
 import asyncio, json, os, resource
-from services.kv_transfer.ucx import UcxTransport, stop_service_threads, use_service_defaults
+from ferry.services.kv_transfer.ucx import UcxTransport, stop_service_threads, use_service_defaults
 use_service_defaults()
 async def main():
     t = UcxTransport()

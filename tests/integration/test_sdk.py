@@ -10,15 +10,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from gateway.sdk import (
+from ferry.gateway.sdk import (
     AsyncFerryClient,
     FerryClient,
     InvalidRequestError,
     NotFoundError,
     UnavailableError,
 )
-from infra.ports import free_port
-from services.engine.tokenizer import load_tokenizer
+from ferry.infra.ports import free_port
+from ferry.services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.redis_server import redis_server
 

@@ -19,11 +19,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_moe import triton_kernel as moe
-from kernels.mla_decode import triton_kernel as mla
-from kernels.mla_prefill import triton_kernel as prefill
-from kernels.moe_routing import triton_kernel as routing
-from kernels.rmsnorm import triton_kernel as rmsnorm
+from ferry.kernels.fused_moe import triton_kernel as moe
+from ferry.kernels.mla_decode import triton_kernel as mla
+from ferry.kernels.mla_prefill import triton_kernel as prefill
+from ferry.kernels.moe_routing import triton_kernel as routing
+from ferry.kernels.rmsnorm import triton_kernel as rmsnorm
 
 H200 = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232_448  # bytes of shared memory one block may use on sm_90

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.bench import SUITES
-from kernels.tune import TILINGS, TINY_TILINGS
+from ferry.kernels.bench import SUITES
+from ferry.kernels.tune import TILINGS, TINY_TILINGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(
-    tmp_path: Path, *args: str, interpret: bool = True, script: str = "kernels.bench"
+    tmp_path: Path, *args: str, interpret: bool = True, script: str = "ferry.kernels.bench"
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
@@ -49,7 +49,7 @@ def test_tiny_run_checks_every_kernel_and_the_model(tmp_path: Path) -> None:
 
 
 def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
-    run = _bench(tmp_path, "--tiny", script="kernels.tune")
+    run = _bench(tmp_path, "--tiny", script="ferry.kernels.tune")
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads((tmp_path / "k.json").read_text())
     assert result["complete"]
@@ -64,7 +64,7 @@ def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full run would start")
-@pytest.mark.parametrize("script", ["kernels.bench", "kernels.tune"])
+@pytest.mark.parametrize("script", ["ferry.kernels.bench", "ferry.kernels.tune"])
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path, script: str) -> None:
     run = _bench(tmp_path, interpret=False, script=script)
     assert run.returncode == 0, run.stdout + run.stderr

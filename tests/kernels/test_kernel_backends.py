@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels import dispatch
+from ferry.kernels import dispatch
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ("rms_norm", "add_rms_norm", "moe_route", "expert_counts", "fused_moe", "mla_decode",
@@ -35,13 +35,14 @@ def test_every_op_declares_a_triton_kernel() -> None:
 
 def test_triton_is_imported_only_when_a_kernel_is_picked() -> None:
     run = _python(
-        "import sys, torch, kernels\n"
-        "from kernels import dispatch\n"
+        "import sys, torch\n"
+        "from ferry import kernels\n"
+        "from ferry.kernels import dispatch\n"
         "x = torch.randn(3, 8)\n"
         "kernels.rms_norm(x, torch.ones(8), 1e-6)  # auto on CPU: torch\n"
         "assert 'triton' not in sys.modules\n"
         "fn = dispatch.resolve('rms_norm', torch.device('cuda'))  # auto on CUDA: Triton\n"
-        "assert fn.__module__ == 'kernels.rmsnorm.triton_kernel', fn.__module__\n"
+        "assert fn.__module__ == 'ferry.kernels.rmsnorm.triton_kernel', fn.__module__\n"
         "dispatch.set_backend('triton')\n"
         "kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
     )
@@ -52,10 +53,11 @@ def test_triton_is_imported_only_when_a_kernel_is_picked() -> None:
 
 def test_ferry_kernels_triton_runs_interpreted_on_cpu() -> None:
     run = _python(
-        "import sys, torch, kernels\n"
+        "import sys, torch\n"
+        "from ferry import kernels\n"
         "x, w = torch.randn(3, 8), torch.rand(8)\n"
         "out = kernels.rms_norm(x, w, 1e-6)\n"
-        "assert 'kernels.rmsnorm.triton_kernel' in sys.modules\n"
+        "assert 'ferry.kernels.rmsnorm.triton_kernel' in sys.modules\n"
         "torch.testing.assert_close(out, kernels.rmsnorm.rms_norm_torch(x, w, 1e-6))\n",
         FERRY_KERNELS="triton",
         TRITON_INTERPRET="1",
@@ -67,8 +69,9 @@ def test_broken_triton_falls_back_to_torch_under_auto(tmp_path: Path) -> None:
     (tmp_path / "triton").mkdir()
     (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('broken install')\n")
     run = _python(
-        "import warnings, torch, kernels\n"
-        "from kernels import dispatch\n"
+        "import warnings, torch\n"
+        "from ferry import kernels\n"
+        "from ferry.kernels import dispatch\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    fn = dispatch.resolve('rms_norm', torch.device('cuda'))\n"
@@ -80,4 +83,4 @@ def test_broken_triton_falls_back_to_torch_under_auto(tmp_path: Path) -> None:
         pythonpath=tmp_path,
     )
     assert run.returncode != 0, run.stdout
-    assert "cannot import kernels.rmsnorm.triton_kernel (is Triton installed?)" in run.stderr
+    assert "cannot import ferry.kernels.rmsnorm.triton_kernel (is Triton installed?)" in run.stderr

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-import kernels as ops
-from kernels import dispatch
+from ferry import kernels as ops
+from ferry.kernels import dispatch
 
 
 def test_moe_route_matches_brute_force() -> None:
@@ -105,6 +105,6 @@ def test_dispatch_override() -> None:
 def test_bad_ferry_kernels_env_fails_at_import() -> None:
     env = {**os.environ, "FERRY_KERNELS": "cuda"}
     run = subprocess.run(
-        [sys.executable, "-c", "import kernels"], env=env, capture_output=True, text=True
+        [sys.executable, "-c", "import ferry.kernels"], env=env, capture_output=True, text=True
     )
     assert run.returncode != 0 and "FERRY_KERNELS='cuda'" in run.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe.triton_kernel import MoEBlocks, sort_by_slot
+from ferry.kernels.fused_moe.triton_kernel import MoEBlocks, sort_by_slot
 from tests.kernels.triton_helpers import assert_matches, generator, torch_ref, triton
 
 SMALL = MoEBlocks(block_m=16, block_n=16, block_k=16, chunk=8)  # several tiles on tiny shapes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_decode.triton_kernel import DecodeBlocks
+from ferry.kernels.mla_decode.triton_kernel import DecodeBlocks
 from tests.kernels.triton_helpers import assert_matches, generator, torch_ref, triton
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dispatch
-from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
+from ferry.kernels import dispatch
+from ferry.services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
 from tests.kernels.triton_helpers import rel_err
 
 OPS = ("rms_norm", "add_rms_norm", "moe_route", "fused_moe", "mla_decode", "prefill_attention")

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from kernels import dispatch
-from kernels.triton_common import poisoned
+from ferry.kernels import dispatch
+from ferry.kernels.triton_common import poisoned
 
 # max |ours - reference| / max |reference|
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chat_template import ChatTemplate
-from services.engine.tokenizer import ByteTokenizer
+from ferry.gateway.chat_template import ChatTemplate
+from ferry.services.engine.tokenizer import ByteTokenizer
 
 # the load-test scripts import each other as siblings (Locust and `python loadtest/x.py` put
 # their folder on sys.path): so do the tests

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
-from services.engine.async_engine import EngineDeadError
-from services.engine.sampling_params import StructuredOutput
+from ferry.services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from ferry.services.engine.async_engine import EngineDeadError
+from ferry.services.engine.sampling_params import StructuredOutput
 
 
 @pytest.fixture(scope="module")

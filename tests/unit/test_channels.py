@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infra.ports import free_port
-from services.common import channels
-from services.common.channels import ChannelPool
+from ferry.infra.ports import free_port
+from ferry.services.common import channels
+from ferry.services.common.channels import ChannelPool
 from tests.grpc_peer import serve, serve_in_process
 
 

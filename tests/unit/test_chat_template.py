@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from gateway.tools import DeepSeekV3Calls
+from ferry.gateway.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from ferry.gateway.tools import DeepSeekV3Calls
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]  # fmt: skip

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.ports import free_port
-from infra.status import row
-from services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
-from services.engine.model import load_model, prompt_logits
+from ferry.infra.ports import free_port
+from ferry.infra.status import row
+from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
+from ferry.services.engine.model import load_model, prompt_logits
 from tests.redis_server import redis_server
 
 
 def _ferry(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "infra.cli", *args], capture_output=True, text=True
+        [sys.executable, "-m", "ferry.infra.cli", *args], capture_output=True, text=True
     )
 
 
@@ -49,7 +49,7 @@ def test_every_serve_flag_names_its_environment_variable() -> None:
 
 
 def test_environment_variables_set_flag_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    from infra.cli import build_parser
+    from ferry.infra.cli import build_parser
 
     monkeypatch.setenv("FERRY_ROUTING_POLICY", "round_robin")
     monkeypatch.setenv("FERRY_MAX_ATTEMPTS", "5")
@@ -106,7 +106,7 @@ def test_status_health_says_whether_a_worker_beats_and_whether_it_drains() -> No
 
 
 def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
-    from infra.cli import build_parser, cluster_spec
+    from ferry.infra.cli import build_parser, cluster_spec
 
     args = build_parser().parse_args(["up", "--worker-args", "--block-size 16 --max-num-seqs 8",
                                       "--decode-args", "--max-num-seqs 64"])  # fmt: skip
@@ -127,8 +127,8 @@ def test_ferry_up_refuses_flags_a_worker_would_not_take_before_starting_anything
 
 
 def test_the_gateway_takes_several_scheduler_addresses_and_refuses_none() -> None:
-    from infra.cli import build_parser
-    from infra.flags import gateway_config
+    from ferry.infra.cli import build_parser
+    from ferry.infra.flags import gateway_config
 
     args = build_parser().parse_args(["serve", "gateway", "--scheduler", "a:1, b:2,"])
     assert gateway_config(args).schedulers == ("a:1", "b:2")
@@ -138,7 +138,7 @@ def test_the_gateway_takes_several_scheduler_addresses_and_refuses_none() -> Non
 
 
 def test_ferry_up_needs_a_scheduler() -> None:
-    from infra.cli import build_parser, cluster_spec
+    from ferry.infra.cli import build_parser, cluster_spec
 
     with pytest.raises(ValueError, match="--schedulers 0: a cluster needs at least one"):
         cluster_spec(build_parser().parse_args(["up", "--schedulers", "0"]))
@@ -146,8 +146,8 @@ def test_ferry_up_needs_a_scheduler() -> None:
 
 
 def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
-    from infra.cli import ROLES, build_parser, cluster_spec
-    from infra.flags import service_config
+    from ferry.infra.cli import ROLES, build_parser, cluster_spec
+    from ferry.infra.flags import service_config
 
     args = build_parser().parse_args(["up", "--keepalive", "20", "--heartbeat-ttl", "6"])
     spec = cluster_spec(args)
@@ -173,7 +173,7 @@ def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
     ],
 )  # fmt: skip
 def test_ferry_up_refuses_values_a_service_would_refuse(given: list[str], message: str) -> None:
-    from infra.cli import build_parser, cluster_spec
+    from ferry.infra.cli import build_parser, cluster_spec
 
     with pytest.raises(ValueError) as refused:
         cluster_spec(build_parser().parse_args(["up", *given]))

@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from protos import common_pb2 as pb
-from services.common import convert
-from services.engine.request import RequestOutput
-from services.engine.sampling_params import SamplingParams, StructuredOutput
-from services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.protos import common_pb2 as pb
+from ferry.services.common import convert
+from ferry.services.engine.request import RequestOutput
+from ferry.services.engine.sampling_params import SamplingParams, StructuredOutput
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
 
 def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_limit() -> None:

@@ -6,8 +6,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from services.common.engine_metrics import EngineMetrics
-from services.engine import AsyncEngine, EngineConfig, SamplingParams
+from ferry.services.common.engine_metrics import EngineMetrics
+from ferry.services.engine import AsyncEngine, EngineConfig, SamplingParams
 
 
 def _scrape(registry: CollectorRegistry) -> dict[str, float]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.helpers import YARN, hf_greedy, hf_logits, make_hf_checkpoint
 
 PROMPT_LENS = [1, 5, 17, 64, 100, 177, 300, 500]

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.engine.experts import ExpertPlacement
-from services.eplb_controller import (
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.eplb_controller import (
     Placement,
     balancedness,
     layer_balancedness,
     rebalance,
     slots_changed,
 )
-from services.eplb_controller.reference_eplb import rebalance_experts
+from ferry.services.eplb_controller.reference_eplb import rebalance_experts
 
 
 class Config(NamedTuple):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.eplb_controller.balance import BalanceWindow, aligned_rows, measured_balancedness
+from ferry.services.eplb_controller.balance import (
+    BalanceWindow,
+    aligned_rows,
+    measured_balancedness,
+)
 
 
 def test_measured_balancedness_is_mean_over_max_per_busy_layer() -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.expert_load import ExpertLoad
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.expert_load import ExpertLoad
 
 
 def test_window_slides_over_the_last_buckets() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.experts import ExpertPlacement
-from services.engine.model import load_model, prompt_logits
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import load_model, prompt_logits
 
 
 def test_identity() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.kv_cache import KVCacheManager, hash_block, prefix_hashes
-from services.engine.request import Request
+from ferry.services.engine.kv_cache import KVCacheManager, hash_block, prefix_hashes
+from ferry.services.engine.request import Request
 from tests.helpers import make_request
 
 

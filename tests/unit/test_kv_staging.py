@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.kv_transfer.staging import (
+from ferry.services.kv_transfer.staging import (
     DIRECT_MIN_RUN_BYTES,
     TransferPlan,
     block_runs,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model import LoaderError, load_model, prompt_logits
-from services.engine.model.loader import INDEX_FILE
+from ferry.services.engine.model import LoaderError, load_model, prompt_logits
+from ferry.services.engine.model.loader import INDEX_FILE
 from tests.helpers import make_hf_checkpoint, quantize_fp8_blocks, rel_err, rewrite_config
 
 IDS = list(range(0, 384, 7))

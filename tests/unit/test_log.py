@@ -5,7 +5,7 @@ import json
 import pytest
 import structlog
 
-from services.common.log import bind_request, configure_logging, get_logger
+from ferry.services.common.log import bind_request, configure_logging, get_logger
 
 
 def test_log_lines_are_json_with_service_worker_and_request_ids(

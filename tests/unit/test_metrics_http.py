@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import urllib.request
 
-from services.common.metrics_http import start_metrics_server
+from ferry.services.common.metrics_http import start_metrics_server
 
 
 def test_a_taken_metrics_port_moves_to_a_free_one() -> None:

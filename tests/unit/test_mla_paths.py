@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model, prompt_logits
+from ferry.services.engine.model import (
+    DeepseekV3ForCausalLM,
+    ForwardBatch,
+    load_model,
+    prompt_logits,
+)
 from tests.helpers import YARN, make_hf_checkpoint, rel_err
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model import load_model, prompt_logits
+from ferry.services.engine.model import load_model, prompt_logits
 from tests.helpers import YARN, hf_logits, make_hf_checkpoint, rel_err, rewrite_config
 
 # Together these cover q_lora on/off, YaRN on/off, first_k_dense_replace 0 and >0,
@@ -88,7 +88,7 @@ def test_bfloat16_close_to_float32(checkpoint: Path) -> None:
 
 
 def test_exported_preset_matches_transformers(tmp_path: Path) -> None:
-    from services.engine.model import export_preset
+    from ferry.services.engine.model import export_preset
 
     export_preset("tiny", tmp_path)
     ids = _prompt(90, 9)

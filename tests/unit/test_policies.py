@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.cluster_state import LoadReport, WorkerRecord
-from services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+from ferry.services.common.cluster_state import LoadReport, WorkerRecord
+from ferry.services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
 
 REQ = RouteRequest("r", num_prompt_tokens=100, num_blocks=7)
 

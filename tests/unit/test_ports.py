@@ -2,7 +2,7 @@ import socket
 
 import pytest
 
-from infra import ports
+from ferry.infra import ports
 
 
 def test_picks_are_below_the_ephemeral_range_distinct_and_bindable() -> None:

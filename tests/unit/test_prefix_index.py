@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from services.common.cluster_state import KvEvents
-from services.engine.kv_cache import KVCacheManager, prefix_hashes
-from services.scheduler.prefix_index import PrefixIndex
+from ferry.services.common.cluster_state import KvEvents
+from ferry.services.engine.kv_cache import KVCacheManager, prefix_hashes
+from ferry.services.scheduler.prefix_index import PrefixIndex
 from tests.helpers import make_request
 from tests.unit.test_kv_cache import run_prefill
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     protos = sorted((ROOT / "protos").glob("*.proto"))
     assert protos
-    (tmp_path / "protos").mkdir()
-    for p in protos:
-        shutil.copy(p, tmp_path / "protos" / p.name)
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-           "--pyi_out=.", *[f"protos/{p.name}" for p in protos]]  # fmt: skip
-    subprocess.run(cmd, cwd=tmp_path, check=True)
-    for fresh in sorted((tmp_path / "protos").glob("*_pb2*.py*")):
+    out = f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}"
+    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-Iferry/protos=protos", *out,
+           *[f"protos/{p.name}" for p in protos]]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    for fresh in sorted((tmp_path / "ferry" / "protos").glob("*_pb2*.py*")):
         committed = ROOT / "protos" / fresh.name
         assert committed.exists(), f"{committed.name} is missing: run `make protos`"
         assert committed.read_text() == fresh.read_text(), (

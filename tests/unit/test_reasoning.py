@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gateway.reasoning import ThinkingReader, reader
-from gateway.tools import CALLS_BEGIN, CALLS_END, CallReader, DeepSeekV3Calls
+from ferry.gateway.reasoning import ThinkingReader, reader
+from ferry.gateway.tools import CALLS_BEGIN, CALLS_END, CallReader, DeepSeekV3Calls
 from tests.unit.test_tools import ds_call, read_all
 
 

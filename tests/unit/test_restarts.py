@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from infra.cli import build_parser
-from infra.restarts import Backoff, RestartPolicy
+from ferry.infra.cli import build_parser
+from ferry.infra.restarts import Backoff, RestartPolicy
 
 
 @pytest.mark.parametrize(

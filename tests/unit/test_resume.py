@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 
-from services.engine import Engine, EngineConfig, SamplingParams
-from services.engine.request import RequestOutput, Resumed
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.request import RequestOutput, Resumed
 
 PROMPT = list(b"Hello there, ")
 

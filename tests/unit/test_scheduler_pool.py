@@ -10,9 +10,9 @@ from collections import Counter
 import grpc
 import pytest
 
-from gateway.errors import OpenAIError
-from gateway.schedulers import SchedulerPool
-from infra.ports import free_port
+from ferry.gateway.errors import OpenAIError
+from ferry.gateway.schedulers import SchedulerPool
+from ferry.infra.ports import free_port
 from tests.grpc_peer import serve
 
 

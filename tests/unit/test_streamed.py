@@ -3,8 +3,8 @@ gateway's, then the scheduler's) must be the same request as one move of everyth
 
 from __future__ import annotations
 
-from protos import common_pb2, scheduler_pb2
-from services.common.streamed import Streamed
+from ferry.protos import common_pb2, scheduler_pb2
+from ferry.services.common.streamed import Streamed
 
 
 def _chunk(*ids: int, text: str) -> common_pb2.TokenChunk:

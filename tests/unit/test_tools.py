@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gateway.tools import (
+from ferry.gateway.tools import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import torch
 
-from services.engine.experts import ExpertPlacement
-from services.engine.model.config import ConfigError, ModelConfig, RopeScaling
-from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from services.engine.model.forward_batch import AttentionPath, ForwardBatch
-from services.engine.model.loader import (
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.config import ConfigError, ModelConfig, RopeScaling
+from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
+from ferry.services.engine.model.loader import (
     LoaderError,
     export_preset,
     load_checkpoint,
     load_preset,
     read_config,
 )
-from services.engine.model.presets import PRESETS
+from ferry.services.engine.model.presets import PRESETS
 
 
 def load_model(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from services.engine.model.config import ModelConfig
+from ferry.services.engine.model.config import ModelConfig
 
 Shape = tuple[int, ...]
 

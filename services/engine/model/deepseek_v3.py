@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.expert_load import ExpertLoad
-from services.engine.expert_parallel import EPGroup
-from services.engine.experts import ExpertPlacement
-from services.engine.model.config import ModelConfig
-from services.engine.model.forward_batch import ForwardBatch
-from services.engine.model.layers import MLP, MLAAttention, MoE, RMSNorm
-from services.engine.model.rope import RotaryEmbedding
+from ferry.services.engine.expert_load import ExpertLoad
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.config import ModelConfig
+from ferry.services.engine.model.forward_batch import ForwardBatch
+from ferry.services.engine.model.layers import MLP, MLAAttention, MoE, RMSNorm
+from ferry.services.engine.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

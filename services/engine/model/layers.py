@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels as ops
-from services.engine.expert_load import ExpertLoad
-from services.engine.expert_parallel import EPGroup, combine, dispatch
-from services.engine.experts import ExpertPlacement
-from services.engine.model.config import ModelConfig
-from services.engine.model.forward_batch import DecodeQueries, ForwardBatch, PrefillSpan
-from services.engine.model.rope import RotaryEmbedding
+from ferry import kernels as ops
+from ferry.services.engine.expert_load import ExpertLoad
+from ferry.services.engine.expert_parallel import EPGroup, combine, dispatch
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.config import ModelConfig
+from ferry.services.engine.model.forward_batch import DecodeQueries, ForwardBatch, PrefillSpan
+from ferry.services.engine.model.rope import RotaryEmbedding
 
 # DeepSeek's q/kv latent norms use a fixed eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

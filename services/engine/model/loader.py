@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.engine.experts import ExpertPlacement
-from services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_shapes, is_ignored
-from services.engine.model.config import ConfigError, ModelConfig
-from services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from services.engine.model.layers import MoE
-from services.engine.model.presets import PRESETS, random_state_dict
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_shapes, is_ignored
+from ferry.services.engine.model.config import ConfigError, ModelConfig
+from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.layers import MoE
+from ferry.services.engine.model.presets import PRESETS, random_state_dict
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -260,7 +260,7 @@ def save_checkpoint(
 
 def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = None) -> Path:
     """Write preset ``name`` as a HF checkpoint that transformers and Ferry both load."""
-    from services.engine.tokenizer import write_byte_tokenizer_json
+    from ferry.services.engine.tokenizer import write_byte_tokenizer_json
 
     preset = PRESETS[name]
     save_checkpoint(preset.config, random_state_dict(preset), path, max_shard_bytes)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.model.checkpoint_names import checkpoint_shapes
-from services.engine.model.config import ModelConfig
-from services.engine.tokenizer import ByteTokenizer
+from ferry.services.engine.model.checkpoint_names import checkpoint_shapes
+from ferry.services.engine.model.config import ModelConfig
+from ferry.services.engine.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from services.engine.model.config import ModelConfig, RopeScaling
+from ferry.services.engine.model.config import ModelConfig, RopeScaling
 
 
 def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> torch.Tensor:
