@@ -87,8 +87,9 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     @app.get("/health")
     async def health() -> JSONResponse:
         ok, why = await backend.ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": why},
-                            status_code=200 if ok else 503)  # fmt: skip
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -110,8 +111,12 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if not given:
             raise OpenAIError(400, "prompt is an empty list", param="prompt")
         if len(given) * body.n > MAX_CHOICES:
-            raise OpenAIError(400, f"{len(given)} prompts x n={body.n} is more than "
-                              f"{MAX_CHOICES} choices; split the batch", param="prompt")  # fmt: skip
+            raise OpenAIError(
+                400,
+                f"{len(given)} prompts x n={body.n} is more than "
+                f"{MAX_CHOICES} choices; split the batch",
+                param="prompt",
+            )
         prompts = await _truncated(backend, body, [backend.encode_prompt(p) for p in given])
         params = _params(body, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
@@ -132,8 +137,12 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         else:
             ids = backend.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
         strs = [backend.token_text(t) for t in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": await backend.max_model_len(),
-                "tokens": ids, "token_strs": strs}  # fmt: skip
+        return {
+            "count": len(ids),
+            "max_model_len": await backend.max_model_len(),
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -181,31 +190,53 @@ def _check_key(request: Request, key: str) -> None:
         return
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise OpenAIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                          "authentication_error", code="invalid_api_key")  # fmt: skip
+        raise OpenAIError(
+            401,
+            "missing or wrong API key (Authorization: Bearer ...)",
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
 
 async def _model_card(backend: Backend) -> dict[str, Any]:
     """OpenAI's model object, with vLLM's ``root`` (what is loaded) and ``max_model_len`` (the
     workers' context limit; null while no scheduler answers)."""
     config = backend.config
-    return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "ferry",
-            "root": config.model, "max_model_len": await backend.max_model_len()}  # fmt: skip
+    return {
+        "id": config.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "ferry",
+        "root": config.model,
+        "max_model_len": await backend.max_model_len(),
+    }
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "seed")  # fmt: skip
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
 
 
 def _params(
     body: _Sampling, max_tokens: int | None, logprobs: int | None
 ) -> common_pb2.SamplingParams:
     """The request's sampling fields; unset ones stay unset (the engine's defaults apply)."""
-    msg = common_pb2.SamplingParams(stop=body.stops(), stop_token_ids=body.stop_token_ids or [],
-                                    min_tokens=body.min_tokens, ignore_eos=body.ignore_eos,
-                                    skip_special_tokens=body.skip_special_tokens,
-                                    include_stop_str_in_output=body.include_stop_str_in_output,
-                                    priority=body.priority)  # fmt: skip
+    msg = common_pb2.SamplingParams(
+        stop=body.stops(),
+        stop_token_ids=body.stop_token_ids or [],
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        priority=body.priority,
+    )
     for name in _SAMPLING_FIELDS:
         if (value := getattr(body, name)) is not None:
             setattr(msg, name, value)
@@ -229,8 +260,9 @@ def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 class _Api:
@@ -250,8 +282,13 @@ class _Api:
         return 0
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.backend.config.model_name, "choices": choices}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.backend.config.model_name,
+            "choices": choices,
+        }
 
     async def complete(self, params: common_pb2.SamplingParams) -> dict[str, Any]:
         async for i, chunk in self._merged(params):
@@ -339,8 +376,12 @@ class _Completions(_Api):
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
-        return {"tokens": tokens, "token_logprobs": [lp.entries[0].logprob for lp in lps],
-                "top_logprobs": [dict(self.top(lp)) for lp in lps], "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.entries[0].logprob for lp in lps],
+            "top_logprobs": [dict(self.top(lp)) for lp in lps],
+            "text_offset": offsets,
+        }
 
     def echo_logprobs(self, c: Choice) -> dict[str, Any] | None:
         """The prompt's part of an echoed choice's logprobs: its first token has none."""
@@ -353,11 +394,19 @@ class _Completions(_Api):
     def final_choice(self, c: Choice) -> dict[str, Any]:
         lps = self.logprobs(c.token_ids, c.logprobs, 0)
         if not self.body.echo:
-            return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": lps}  # fmt: skip
+            return {
+                "index": c.index,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": lps,
+            }
         head = self.echoed[c.prompt]
-        return {"index": c.index, "text": head + c.text, "finish_reason": c.finish_reason,
-                "logprobs": _joined(self.echo_logprobs(c), lps, len(head))}  # fmt: skip
+        return {
+            "index": c.index,
+            "text": head + c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": _joined(self.echo_logprobs(c), lps, len(head)),
+        }
 
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
         offset = len(c.text) - len(chunk.text)
@@ -369,8 +418,12 @@ class _Completions(_Api):
                 text, lps = head + text, _joined(self.echo_logprobs(c), lps, len(head))
             elif lps is not None:
                 lps["text_offset"] = [at + len(head) for at in lps["text_offset"]]
-        return {"index": c.index, "text": text, "finish_reason": chunk.finish_reason or None,
-                "logprobs": lps}  # fmt: skip
+        return {
+            "index": c.index,
+            "text": text,
+            "finish_reason": chunk.finish_reason or None,
+            "logprobs": lps,
+        }
 
 
 def _joined(
@@ -393,9 +446,12 @@ class _Chat(_Api):
     body: ChatCompletionRequest
 
     def __init__(
-        self, backend: Backend, body: ChatCompletionRequest, prompts: list[list[int]],
+        self,
+        backend: Backend,
+        body: ChatCompletionRequest,
+        prompts: list[list[int]],
         tools: ToolUse,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(backend, body, prompts)
         self.tools = tools
         self.readers = {c.index: self.reader() for c in self.choices}  # while streaming
@@ -426,10 +482,17 @@ class _Chat(_Api):
         content = []
         for t, lp in zip(token_ids, lps, strict=False):
             text = self.backend.token_text(t)
-            content.append({"token": text, "logprob": lp.entries[0].logprob,
-                            "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
-                                             for s, v in self.top(lp)]})  # fmt: skip
+            content.append(
+                {
+                    "token": text,
+                    "logprob": lp.entries[0].logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": s, "logprob": v, "bytes": list(s.encode())}
+                        for s, v in self.top(lp)
+                    ],
+                }
+            )
         return {"content": content}
 
     def final_choice(self, c: Choice) -> dict[str, Any]:
@@ -442,14 +505,27 @@ class _Chat(_Api):
         if reader.calls:
             message["content"] = read.content or None
             message["tool_calls"] = [call.as_json() for call in reader.calls]
-        return {"index": c.index, "message": message,
-                "finish_reason": self.tools.finish_reason(c.finish_reason, reader),
-                "logprobs": self.logprobs(c.token_ids, c.logprobs)}  # fmt: skip
+        return {
+            "index": c.index,
+            "message": message,
+            "finish_reason": self.tools.finish_reason(c.finish_reason, reader),
+            "logprobs": self.logprobs(c.token_ids, c.logprobs),
+        }
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self.envelope(self.chunk_object, [{"index": c.index, "finish_reason": None,
-                                                   "delta": {"role": "assistant", "content": ""}}])
-                for c in self.choices]  # fmt: skip
+        return [
+            self.envelope(
+                self.chunk_object,
+                [
+                    {
+                        "index": c.index,
+                        "finish_reason": None,
+                        "delta": {"role": "assistant", "content": ""},
+                    }
+                ],
+            )
+            for c in self.choices
+        ]
 
     def delta(self, c: Choice, chunk: common_pb2.TokenChunk) -> dict[str, Any]:
         reader: CallReader = self.readers[c.index]
@@ -461,6 +537,9 @@ class _Chat(_Api):
             delta["reasoning_content"] = read.reasoning
         if read.calls:
             delta["tool_calls"] = read.calls
-        return {"index": c.index, "delta": delta,
-                "finish_reason": self.tools.finish_reason(chunk.finish_reason or None, reader),
-                "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs))}  # fmt: skip
+        return {
+            "index": c.index,
+            "delta": delta,
+            "finish_reason": self.tools.finish_reason(chunk.finish_reason or None, reader),
+            "logprobs": self.logprobs(list(chunk.token_ids), list(chunk.logprobs)),
+        }

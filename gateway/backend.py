@@ -53,11 +53,15 @@ class GatewayConfig:
         if not self.schedulers:
             raise ValueError("give at least one scheduler address (--scheduler)")
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
-            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r}: one of "
-                             f"{', '.join(REASONING_PARSERS)}, or '' for none")  # fmt: skip
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser!r}: one of "
+                f"{', '.join(REASONING_PARSERS)}, or '' for none"
+            )
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: one of "
-                             f"{', '.join(TOOL_CALL_PARSERS)}")  # fmt: skip
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser!r}: one of "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
 
     @property
     def model_name(self) -> str:
@@ -86,9 +90,13 @@ class Backend:
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
-                              f"`{self.config.model_name}`", "not_found_error", "model",
-                              "model_not_found")  # fmt: skip
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.config.model_name}`",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -110,8 +118,11 @@ class Backend:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise OpenAIError(400, f"token id {bad} is outside the tokenizer's vocabulary "
-                              f"(0..{vocab - 1})", param="tokens")  # fmt: skip
+            raise OpenAIError(
+                400,
+                f"token id {bad} is outside the tokenizer's vocabulary (0..{vocab - 1})",
+                param="tokens",
+            )
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     async def max_model_len(self) -> int | None:
@@ -120,12 +131,16 @@ class Backend:
         no such worker is registered."""
         for replica in self.schedulers.replicas:
             try:
-                reply = await replica.stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(),
-                                                         timeout=2)  # fmt: skip
+                reply = await replica.stub.ClusterStatus(
+                    scheduler_pb2.ClusterStatusRequest(), timeout=2
+                )
             except grpc.aio.AioRpcError:
                 continue
-            limits = [w.info.max_model_len for w in reply.workers
-                      if w.info.role in ("prefill", "aggregated") and w.info.max_model_len]  # fmt: skip
+            limits = [
+                w.info.max_model_len
+                for w in reply.workers
+                if w.info.role in ("prefill", "aggregated") and w.info.max_model_len
+            ]
             return min(limits, default=None)
         return None
 
@@ -145,8 +160,9 @@ class Backend:
         connected. An UNAVAILABLE that the scheduler itself answers is not retried: its
         connection is still up (and the scheduler has done its own retries)."""
         rid = request_id or uuid.uuid4().hex
-        first = scheduler_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                              sampling_params=params)  # fmt: skip
+        first = scheduler_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt_ids, sampling_params=params
+        )
         req, sent, retried, dropped = first, Streamed(), False, ""
         while True:
             replica = await self.schedulers.pick(avoid=dropped)
@@ -173,13 +189,21 @@ class Backend:
                 elif not streamed and not retried:
                     retried = True
                 else:
-                    why = (f"the scheduler at {replica.address} went away after "
-                           f"{len(sent.token_ids)} tokens of this request ({e.details()}); "
-                           "retry it")  # fmt: skip
-                    raise OpenAIError(503, why, "service_unavailable",
-                                      code="scheduler_unavailable") from e  # fmt: skip
-                log.info("scheduler_connection_lost", request_id=rid, scheduler=replica.address,
-                         generated=len(sent.token_ids), migration=sent.moves)  # fmt: skip
+                    why = (
+                        f"the scheduler at {replica.address} went away after "
+                        f"{len(sent.token_ids)} tokens of this request ({e.details()}); "
+                        "retry it"
+                    )
+                    raise OpenAIError(
+                        503, why, "service_unavailable", code="scheduler_unavailable"
+                    ) from e
+                log.info(
+                    "scheduler_connection_lost",
+                    request_id=rid,
+                    scheduler=replica.address,
+                    generated=len(sent.token_ids),
+                    migration=sent.moves,
+                )
                 dropped = replica.address
             finally:
                 call.cancel()  # a no-op once the stream has ended

@@ -45,11 +45,23 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send, size: int) -> None:
-        body: dict[str, Any] = {"error": {
-            "message": f"request body of {size}+ bytes is over the limit of {self.limit}",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}  # fmt: skip
+        body: dict[str, Any] = {
+            "error": {
+                "message": f"request body of {size}+ bytes is over the limit of {self.limit}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
         data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": data})

@@ -80,8 +80,13 @@ class ChatTemplate:
         """The prompt text. ``continue_final_message``: cut after the final message's text, so
         that the model goes on with it; ``extra``: more variables (vLLM's chat_template_kwargs,
         such as a template's thinking switch)."""
-        context = {**self.special, **(extra or {}), "messages": messages, "tools": tools,
-                   "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        context = {
+            **self.special,
+            **(extra or {}),
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             text = self.template.render(**context)
         except jinja2.TemplateError as e:
@@ -97,8 +102,10 @@ def _open_final(text: str, final: dict[str, Any]) -> str:
         raise ValueError("continue_final_message: the final message has no text to go on with")
     at = text.rfind(content)
     if at < 0:
-        raise ValueError("continue_final_message: the chat template does not write the final "
-                         "message's text as it is, so it cannot be left open")  # fmt: skip
+        raise ValueError(
+            "continue_final_message: the chat template does not write the final "
+            "message's text as it is, so it cannot be left open"
+        )
     return text[: at + len(content.rstrip())]
 
 

@@ -10,9 +10,24 @@ from fastapi.responses import JSONResponse
 
 # Field names the engine's validation messages start with ("temperature must be >= 0, ..."):
 # the gateway reports them as the error's ``param``.
-PARAMS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs", "stop",
-          "stop_token_ids", "n", "logit_bias")  # fmt: skip
+PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "logit_bias",
+)
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -29,28 +44,47 @@ _HTTP = {
 RETRY_AFTER_S = 1
 
 
-_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-         404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-         429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
+_GRPC = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 class OpenAIError(Exception):
     """An error for a client of either API: ``status`` for HTTP, ``grpc_code`` for gRPC."""
 
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
         grpc_code: grpc.StatusCode | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code,
-        )  # fmt: skip
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
         self.grpc_code = grpc_code or _GRPC.get(status, grpc.StatusCode.INTERNAL)
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None

@@ -27,8 +27,10 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
         if key:
             given = dict(context.invocation_metadata() or ()).get("authorization", "")
             if not hmac.compare_digest(str(given).encode(), f"Bearer {key}".encode()):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or wrong API key (metadata authorization: Bearer ...)")  # fmt: skip
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong API key (metadata authorization: Bearer ...)",
+                )
         if model is not None:
             try:
                 self.backend.check_model(model)
@@ -40,12 +42,14 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         await self._check(context, request.model or self.backend.config.model_name)
         if request.prompt and request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "give prompt or prompt_token_ids, not both")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both"
+            )
         try:
             ids = self.backend.encode_prompt(request.prompt or list(request.prompt_token_ids))
-            async for chunk in self.backend.generate(ids, request.sampling_params,
-                                                     request.request_id):  # fmt: skip
+            async for chunk in self.backend.generate(
+                ids, request.sampling_params, request.request_id
+            ):
                 yield chunk
         except OpenAIError as e:
             await context.abort(e.grpc_code, e.message)
@@ -64,8 +68,9 @@ async def start_grpc(backend: Backend, host: str, port: int) -> tuple[grpc.aio.S
     ferry_pb2_grpc.add_FerryServicer_to_server(FerryServicer(backend), server)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME), server)  # fmt: skip
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     for name in ("", SERVICE_NAME):

@@ -58,8 +58,10 @@ class StructuredOutputs(_Body):
     def _exactly_one(self) -> StructuredOutputs:
         given = [k for k, v in self.model_dump(by_alias=True).items() if v not in (None, False)]
         if len(given) != 1:
-            raise ValueError("give exactly one of json, json_object, regex, choice, grammar "
-                             f"(got {', '.join(given) or 'none'})")  # fmt: skip
+            raise ValueError(
+                "give exactly one of json, json_object, regex, choice, grammar "
+                f"(got {', '.join(given) or 'none'})"
+            )
         return self
 
 
@@ -127,8 +129,10 @@ class _Sampling(_Body):
     @classmethod
     def _keep_some(cls, value: int | None) -> int | None:
         if value is not None and value < 1 and value != -1:
-            raise ValueError("give the number of tokens to keep (at least 1), or -1 for as many "
-                             "as the model's context holds")  # fmt: skip
+            raise ValueError(
+                "give the number of tokens to keep (at least 1), or -1 for as many "
+                "as the model's context holds"
+            )
         return value
 
     @field_validator("logit_bias")
@@ -150,11 +154,16 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _one_shape(cls, value: Any) -> Any:
         """One message for a prompt of no accepted shape, not one per shape it is not."""
-        shapes = (str, lambda v: _all(v, int), lambda v: _all(v, str),
-                  lambda v: _all(v, list) and all(_all(x, int) for x in v))  # fmt: skip
+        shapes = (
+            str,
+            lambda v: _all(v, int),
+            lambda v: _all(v, str),
+            lambda v: _all(v, list) and all(_all(x, int) for x in v),
+        )
         if not any(isinstance(value, s) if isinstance(s, type) else s(value) for s in shapes):
-            raise ValueError("give a string, a list of token ids, or a list of either "
-                             "(a batch of prompts)")  # fmt: skip
+            raise ValueError(
+                "give a string, a list of token ids, or a list of either (a batch of prompts)"
+            )
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -197,8 +206,10 @@ class ChatMessage(_Body):
         for part in value if isinstance(value, list) else ():
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             if kind != "text":
-                raise ValueError(f"a content part of type {kind!r}: this model reads text only "
-                                 "(give a string or parts of type 'text')")  # fmt: skip
+                raise ValueError(
+                    f"a content part of type {kind!r}: this model reads text only "
+                    "(give a string or parts of type 'text')"
+                )
         return value
 
     def for_template(self) -> dict[str, Any]:
@@ -265,14 +276,19 @@ class ChatPrompt(_Body):
     @model_validator(mode="after")
     def _one_ending(self) -> ChatPrompt:
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message needs add_generation_prompt: false (the "
-                             "final message goes on, no new one starts)")  # fmt: skip
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt: false (the "
+                "final message goes on, no new one starts)"
+            )
         return self
 
     def render_options(self) -> dict[str, Any]:
-        return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message,
-                "tools": tool_dicts(self.tools), "extra": self.chat_template_kwargs}  # fmt: skip
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "tools": tool_dicts(self.tools),
+            "extra": self.chat_template_kwargs,
+        }
 
 
 class ChatCompletionRequest(_Sampling, ChatPrompt):
@@ -293,14 +309,18 @@ class ChatCompletionRequest(_Sampling, ChatPrompt):
             raise ValueError(f"tool_choice {_choice_text(choice)} needs tools")
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
-                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one "
-                                 f"of the tools ({', '.join(names)})")  # fmt: skip
+                raise ValueError(
+                    f"tool_choice names {choice.function.name!r}, which is not one "
+                    f"of the tools ({', '.join(names)})"
+                )
             use = ToolUse("named", tuple(tools), choice.function.name, self.parallel_tool_calls)
         else:
             use = ToolUse(choice, tuple(tools), None, self.parallel_tool_calls, parser)
         if use.forced and (self.response_format or self.structured_outputs):
-            raise ValueError(f"tool_choice {_choice_text(choice)} sets the output's form itself: "
-                             "give no response_format or structured_outputs with it")  # fmt: skip
+            raise ValueError(
+                f"tool_choice {_choice_text(choice)} sets the output's form itself: "
+                "give no response_format or structured_outputs with it"
+            )
         return use
 
     def token_limit(self) -> int | None:

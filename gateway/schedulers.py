@@ -84,15 +84,19 @@ class SchedulerPool:
     async def _first_to_connect(self) -> Replica:
         waits = {asyncio.ensure_future(r.channel.channel_ready()): r for r in self.replicas}
         try:
-            done, _ = await asyncio.wait(waits, timeout=self.wait_s,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                waits, timeout=self.wait_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for w in waits:
                 w.cancel()
         if not done:
             n, within = len(self.addresses), f"within {self.wait_s:g} s; retry later"
-            why = (f"the scheduler at {self.addresses[0]} did not answer {within}" if n == 1 else
-                   f"none of the {n} schedulers ({', '.join(self.addresses)}) answered {within}")  # fmt: skip
+            why = (
+                f"the scheduler at {self.addresses[0]} did not answer {within}"
+                if n == 1
+                else f"none of the {n} schedulers ({', '.join(self.addresses)}) answered {within}"
+            )
             raise OpenAIError(503, why, "service_unavailable", code="scheduler_unavailable")
         return waits[done.pop()]
 

@@ -19,15 +19,27 @@ GRACE_S = 5.0
 async def serve(config: GatewayConfig, log_level: str = "info") -> None:
     backend = Backend(config)
     app = create_app(config, backend)
-    http = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                         log_level=log_level, access_log=False,
-                                         timeout_graceful_shutdown=int(GRACE_S)))  # fmt: skip
+    http = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=int(GRACE_S),
+        )
+    )
     grpc_server = None
     if config.grpc_port >= 0:
         grpc_server, grpc_port = await start_grpc(backend, config.host, config.grpc_port)
         log.info("serving", role="gateway", grpc=f"{config.host}:{grpc_port}")
-    log.info("serving", role="gateway", http=f"{config.host}:{config.port}",
-             model=config.model_name, schedulers=",".join(config.schedulers))  # fmt: skip
+    log.info(
+        "serving",
+        role="gateway",
+        http=f"{config.host}:{config.port}",
+        model=config.model_name,
+        schedulers=",".join(config.schedulers),
+    )
     try:
         await http.serve()  # returns on SIGTERM / SIGINT (uvicorn's handlers)
     finally:

@@ -51,9 +51,12 @@ def usage(choices: list[Choice], prompts: list[list[int]]) -> dict[str, object]:
     cached = [0] * len(prompts)
     for c in choices:
         cached[c.prompt] = max(cached[c.prompt], c.cached_tokens)
-    return {"prompt_tokens": num_prompt, "completion_tokens": completion,
-            "total_tokens": num_prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(cached)}}  # fmt: skip
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": completion,
+        "total_tokens": num_prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached)},
+    }
 
 
 def choices_of(num_prompts: int, n: int) -> list[Choice]:
@@ -76,8 +79,9 @@ async def merged(
 
     async def pump(c: Choice) -> None:
         try:
-            stream = backend.generate(prompts[c.prompt], for_choice(params, c.index % n),
-                                      f"{rid}-{c.index}")  # fmt: skip
+            stream = backend.generate(
+                prompts[c.prompt], for_choice(params, c.index % n), f"{rid}-{c.index}"
+            )
             async for chunk in stream:
                 await queue.put((c.index, chunk))
             await queue.put((c.index, None))

@@ -41,15 +41,23 @@ CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
 _CALL = re.compile(
-    r"\s*" + re.escape(CALL_BEGIN) + r"(?P<type>[^\n]*?)" + re.escape(SEP)
-    + r"(?P<name>[^\n]*?)\n```json\n(?P<arguments>.*?)\n```" + re.escape(CALL_END),
+    r"\s*"
+    + re.escape(CALL_BEGIN)
+    + r"(?P<type>[^\n]*?)"
+    + re.escape(SEP)
+    + r"(?P<name>[^\n]*?)\n```json\n(?P<arguments>.*?)\n```"
+    + re.escape(CALL_END),
     re.DOTALL,
-)  # fmt: skip
+)
 _CALL_V31 = re.compile(
-    r"\s*" + re.escape(CALL_BEGIN) + r"(?P<name>[^\n]*?)" + re.escape(SEP)
-    + r"(?P<arguments>.*?)" + re.escape(CALL_END),
+    r"\s*"
+    + re.escape(CALL_BEGIN)
+    + r"(?P<name>[^\n]*?)"
+    + re.escape(SEP)
+    + r"(?P<arguments>.*?)"
+    + re.escape(CALL_END),
     re.DOTALL,
-)  # fmt: skip
+)
 
 Mode = Literal["none", "auto", "required", "named"]
 
@@ -61,8 +69,11 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
 
     def as_json(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:  # streamed deltas say which call they belong to
             out["index"] = index
         return out
@@ -195,8 +206,10 @@ class RequiredCalls(CallReader):
     def finish(self) -> Read:
         try:
             made = json.loads(self.text)
-            calls = [ToolCall(c["name"], json.dumps(c["parameters"], separators=(",", ":")))
-                     for c in made]  # fmt: skip
+            calls = [
+                ToolCall(c["name"], json.dumps(c["parameters"], separators=(",", ":")))
+                for c in made
+            ]
         except (ValueError, TypeError, KeyError):
             return Read(content=self.text)
         return Read(calls=[self._made(c) for c in calls])
@@ -229,15 +242,23 @@ class ToolUse:
 
     def structured(self) -> common_pb2.StructuredOutput | None:
         """The JSON Schema that forces the output (required, named); None otherwise."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
-                  for t in self.tools}  # fmt: skip
+        params = {
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+            for t in self.tools
+        }
         if self.mode == "named":
             assert self.name is not None
             schema: dict[str, Any] = params[self.name]
         elif self.mode == "required":
-            one_of = [{"type": "object", "properties": {"name": {"const": name}, "parameters": p},
-                       "required": ["name", "parameters"], "additionalProperties": False}
-                      for name, p in params.items()]  # fmt: skip
+            one_of = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": p},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, p in params.items()
+            ]
             schema = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
             if not self.parallel:
                 schema["maxItems"] = 1

@@ -108,8 +108,16 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     ServiceConfig(ttl_s=args.heartbeat_ttl)
     keepalive = ["--keepalive", str(args.keepalive)]
     beats = [*keepalive, "--heartbeat-ttl", str(args.heartbeat_ttl)]  # every registered service's
-    worker = [*beats, "--model", args.model, "--kv-transport", args.kv_transport,
-              "--torch-threads", str(args.torch_threads), *shlex.split(args.worker_args)]  # fmt: skip
+    worker = [
+        *beats,
+        "--model",
+        args.model,
+        "--kv-transport",
+        args.kv_transport,
+        "--torch-threads",
+        str(args.torch_threads),
+        *shlex.split(args.worker_args),
+    ]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.num_redundant_experts:
@@ -138,13 +146,20 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         _check_serve_flags(role, serve_args[role], "flags")
     return ClusterSpec(
         prefill=_pd_count(args.prefill, args.aggregated),
-        decode=_pd_count(args.decode, args.aggregated), aggregated=args.aggregated,
-        prefill_dep=args.prefill_dep, decode_dep=args.decode_dep, schedulers=args.schedulers,
+        decode=_pd_count(args.decode, args.aggregated),
+        aggregated=args.aggregated,
+        prefill_dep=args.prefill_dep,
+        decode_dep=args.decode_dep,
+        schedulers=args.schedulers,
         host=args.host,
-        scheduler_port=args.scheduler_port, gateway_port=args.port, grpc_port=args.grpc_port,
-        redis_url=args.redis_url, cluster=args.cluster, restart=RestartPolicy(args.restart),
+        scheduler_port=args.scheduler_port,
+        gateway_port=args.port,
+        grpc_port=args.grpc_port,
+        redis_url=args.redis_url,
+        cluster=args.cluster,
+        restart=RestartPolicy(args.restart),
         serve_args=serve_args,
-    )  # fmt: skip
+    )
 
 
 def _check_serve_flags(role: str, extra: list[str], source: str) -> None:

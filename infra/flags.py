@@ -50,15 +50,25 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--redis-url", d.redis_url, "Redis holding the cluster state")
     add(p, "--cluster", d.cluster, "cluster name (Redis key prefix)")
     add(p, "--grace", d.grace_s, "seconds in-flight RPCs get on SIGTERM")
-    add(p, "--heartbeat-ttl", d.ttl_s, "seconds a worker's registry record outlives its last "
-        "heartbeat (it beats every TTL/3; a scheduler takes one whose record expired for hung)")  # fmt: skip
+    add(
+        p,
+        "--heartbeat-ttl",
+        d.ttl_s,
+        "seconds a worker's registry record outlives its last "
+        "heartbeat (it beats every TTL/3; a scheduler takes one whose record expired for hung)",
+    )
     _add_keepalive(p)
     add(p, "--log-level", d.log_level, "log level", choices=["debug", "info", "warning", "error"])
 
 
 def _add_keepalive(p: argparse.ArgumentParser) -> None:
-    add(p, "--keepalive", KEEPALIVE_S, "seconds between pings on each gRPC connection; a peer "
-        "that does not answer within as long is taken for hung and its calls fail")  # fmt: skip
+    add(
+        p,
+        "--keepalive",
+        KEEPALIVE_S,
+        "seconds between pings on each gRPC connection; a peer "
+        "that does not answer within as long is taken for hung and its calls fail",
+    )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -77,8 +87,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--lease-seconds", w.lease_seconds, "how long exported KV waits for its pull")
     add(p, "--transfer-timeout", w.transfer_timeout_s, "seconds a KV pull may take")
     add_switch(p, "--verify-checksum", "CRC32-check every KV transfer")
-    add(p, "--kv-probe-interval", w.kv_probe_interval_s,
-        "seconds between checks that the KV transport can still connect (0: none)")  # fmt: skip
+    add(
+        p,
+        "--kv-probe-interval",
+        w.kv_probe_interval_s,
+        "seconds between checks that the KV transport can still connect (0: none)",
+    )
     add(p, "--torch-threads", w.torch_threads, "torch intra-op threads (0: torch's default)")
     add(p, "--dep-size", w.dep_size, "ranks in this worker's DEP group (1: none)")
     add(p, "--dep-rank", w.dep_rank, "this worker's rank in its DEP group")
@@ -104,9 +118,12 @@ def add_eplb_flags(p: argparse.ArgumentParser) -> None:
 
 def eplb_config(args: argparse.Namespace) -> EplbConfig:
     return EplbConfig(
-        service=service_config(args), interval_steps=args.eplb_interval_steps,
-        num_nodes=args.eplb_num_nodes, min_gain=args.eplb_min_gain, poll_s=args.eplb_poll,
-    )  # fmt: skip
+        service=service_config(args),
+        interval_steps=args.eplb_interval_steps,
+        num_nodes=args.eplb_num_nodes,
+        min_gain=args.eplb_min_gain,
+        poll_s=args.eplb_poll,
+    )
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -115,24 +132,52 @@ def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-attempts", d.max_attempts, "tries per stage before a request fails")
     add(p, "--retry-backoff", d.retry_backoff_s, "first retry's backoff in seconds")
     add(p, "--refresh", d.refresh_s, "seconds between reads of the cluster state")
-    add(p, "--migration-limit", d.migration_limit, "times a request whose worker fails after "
-        "streaming may go on on another worker (0: it fails)")  # fmt: skip
+    add(
+        p,
+        "--migration-limit",
+        d.migration_limit,
+        "times a request whose worker fails after "
+        "streaming may go on on another worker (0: it fails)",
+    )
 
 
 def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     add(p, "--model", d.model, "preset or checkpoint directory (tokenizer, chat template)")
     add(p, "--served-model-name", d.served_model_name, "the name clients ask for (default: model)")
-    add(p, "--scheduler", ",".join(d.schedulers), "the scheduler's gRPC address; replicas: "
-        "several, comma-separated (each request goes to the least busy one that is up)")  # fmt: skip
-    add(p, "--scheduler-wait", d.scheduler_wait_s, "seconds a request waits for a scheduler "
-        "when none answers (restarting) before 503")  # fmt: skip
-    add(p, "--migration-limit", d.migration_limit, "times a stream whose scheduler goes away "
-        "after it streamed tokens goes on through another (0: it fails)")  # fmt: skip
-    add(p, "--reasoning-parser", d.reasoning_parser, "a reasoning model's thinking goes to "
-        "reasoning_content: deepseek_r1 ('' : none)")  # fmt: skip
-    add(p, "--tool-call-parser", d.tool_call_parser, "the format tool_choice 'auto' reads "
-        "calls in: deepseek_v3 or deepseek_v31 (DeepSeek-V3.1 and later)")  # fmt: skip
+    add(
+        p,
+        "--scheduler",
+        ",".join(d.schedulers),
+        "the scheduler's gRPC address; replicas: "
+        "several, comma-separated (each request goes to the least busy one that is up)",
+    )
+    add(
+        p,
+        "--scheduler-wait",
+        d.scheduler_wait_s,
+        "seconds a request waits for a scheduler when none answers (restarting) before 503",
+    )
+    add(
+        p,
+        "--migration-limit",
+        d.migration_limit,
+        "times a stream whose scheduler goes away "
+        "after it streamed tokens goes on through another (0: it fails)",
+    )
+    add(
+        p,
+        "--reasoning-parser",
+        d.reasoning_parser,
+        "a reasoning model's thinking goes to reasoning_content: deepseek_r1 ('' : none)",
+    )
+    add(
+        p,
+        "--tool-call-parser",
+        d.tool_call_parser,
+        "the format tool_choice 'auto' reads "
+        "calls in: deepseek_v3 or deepseek_v31 (DeepSeek-V3.1 and later)",
+    )
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
@@ -144,12 +189,19 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        model=args.model, served_model_name=args.served_model_name,
-        schedulers=_addresses(args.scheduler), host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, scheduler_wait_s=args.scheduler_wait,
-        migration_limit=args.migration_limit, reasoning_parser=args.reasoning_parser,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        schedulers=_addresses(args.scheduler),
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        scheduler_wait_s=args.scheduler_wait,
+        migration_limit=args.migration_limit,
+        reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
-    )  # fmt: skip
+    )
 
 
 def _addresses(given: str) -> tuple[str, ...]:
@@ -158,35 +210,57 @@ def _addresses(given: str) -> tuple[str, ...]:
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
-        worker_id=args.worker_id, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, metrics_port=args.metrics_port,
-        redis_url=args.redis_url, cluster=args.cluster, grace_s=args.grace,
-        ttl_s=args.heartbeat_ttl, log_level=args.log_level,
-    )  # fmt: skip
+        worker_id=args.worker_id,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        cluster=args.cluster,
+        grace_s=args.grace,
+        ttl_s=args.heartbeat_ttl,
+        log_level=args.log_level,
+    )
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
         router_skew=args.router_skew,
-    )  # fmt: skip
+    )
     return WorkerConfig(
-        service=service_config(args), engine=engine, kv_transport=args.kv_transport,
-        kv_port=args.kv_port, lease_seconds=args.lease_seconds,
-        transfer_timeout_s=args.transfer_timeout, verify_checksum=args.verify_checksum,
+        service=service_config(args),
+        engine=engine,
+        kv_transport=args.kv_transport,
+        kv_port=args.kv_port,
+        lease_seconds=args.lease_seconds,
+        transfer_timeout_s=args.transfer_timeout,
+        verify_checksum=args.verify_checksum,
         kv_probe_interval_s=args.kv_probe_interval,
-        torch_threads=args.torch_threads, dep_size=args.dep_size, dep_rank=args.dep_rank,
-        dep_master=args.dep_master, dep_group=args.dep_group,
-        num_redundant_experts=args.num_redundant_experts, dep_timeout_s=args.dep_timeout,
-    )  # fmt: skip
+        torch_threads=args.torch_threads,
+        dep_size=args.dep_size,
+        dep_rank=args.dep_rank,
+        dep_master=args.dep_master,
+        dep_group=args.dep_group,
+        num_redundant_experts=args.num_redundant_experts,
+        dep_timeout_s=args.dep_timeout,
+    )
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
-        service=service_config(args), routing_policy=args.routing_policy,
-        max_attempts=args.max_attempts, retry_backoff_s=args.retry_backoff,
-        refresh_s=args.refresh, migration_limit=args.migration_limit,
-    )  # fmt: skip
+        service=service_config(args),
+        routing_policy=args.routing_policy,
+        max_attempts=args.max_attempts,
+        retry_backoff_s=args.retry_backoff,
+        refresh_s=args.refresh,
+        migration_limit=args.migration_limit,
+    )

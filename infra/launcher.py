@@ -94,18 +94,39 @@ class Launcher:
         s = self.spec
         if not self.redis_url:  # a private one, supervised like the services
             port = free_port(s.host)
-            self._add(Child("redis", "redis", f"{s.host}:{port}", 0, start_redis(port, s.host),
-                            redis_command(port, s.host), "redis"))  # fmt: skip
+            self._add(
+                Child(
+                    "redis",
+                    "redis",
+                    f"{s.host}:{port}",
+                    0,
+                    start_redis(port, s.host),
+                    redis_command(port, s.host),
+                    "redis",
+                )
+            )
             self.redis_url = f"redis://{s.host}:{port}/0"
-        for role, count, dep in (("prefill", s.prefill, s.prefill_dep),
-                                 ("decode", s.decode, s.decode_dep),
-                                 ("aggregated", s.aggregated, 1)):  # fmt: skip
+        for role, count, dep in (
+            ("prefill", s.prefill, s.prefill_dep),
+            ("decode", s.decode, s.decode_dep),
+            ("aggregated", s.aggregated, 1),
+        ):
             if dep > 1:  # one DEP group of `dep` ranks, besides `count` independent workers
                 master = f"{s.host}:{free_port(s.host)}"
                 for r in range(dep):
-                    self._spawn(role, f"{role}-r{r}", unit=f"{role}-dep",
-                                extra=["--dep-size", str(dep), "--dep-rank", str(r),
-                                       "--dep-master", master])  # fmt: skip
+                    self._spawn(
+                        role,
+                        f"{role}-r{r}",
+                        unit=f"{role}-dep",
+                        extra=[
+                            "--dep-size",
+                            str(dep),
+                            "--dep-rank",
+                            str(r),
+                            "--dep-master",
+                            master,
+                        ],
+                    )
             for i in range(count):
                 self._spawn(role, f"{role}-{i}")
         for i in range(s.schedulers):
@@ -121,12 +142,29 @@ class Launcher:
     ) -> None:
         port = port or free_port(self.spec.host)
         metrics_port = free_port(self.spec.host)
-        cmd = [*SERVE, role, "--worker-id", name,
-               "--host", self.spec.host, "--port", str(port), "--metrics-port", str(metrics_port),
-               "--redis-url", self.redis_url, "--cluster", self.spec.cluster,
-               *self.spec.serve_args.get(role, []), *(extra or [])]  # fmt: skip
-        self._add(Child(name, role, f"{self.spec.host}:{port}", metrics_port, _popen(cmd), cmd,
-                        unit or name))  # fmt: skip
+        cmd = [
+            *SERVE,
+            role,
+            "--worker-id",
+            name,
+            "--host",
+            self.spec.host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--redis-url",
+            self.redis_url,
+            "--cluster",
+            self.spec.cluster,
+            *self.spec.serve_args.get(role, []),
+            *(extra or []),
+        ]
+        self._add(
+            Child(
+                name, role, f"{self.spec.host}:{port}", metrics_port, _popen(cmd), cmd, unit or name
+            )
+        )
 
     def _add(self, child: Child) -> None:
         self.children.append(child)
@@ -136,12 +174,23 @@ class Launcher:
     def _spawn_gateway(self) -> None:
         s = self.spec
         schedulers = ",".join(c.address for c in self.children if c.role == "scheduler")
-        cmd = [*SERVE, "gateway", "--host", s.host,
-               "--port", str(s.gateway_port), "--grpc-port", str(s.grpc_port),
-               "--scheduler", schedulers, *s.serve_args.get("gateway", [])]  # fmt: skip
+        cmd = [
+            *SERVE,
+            "gateway",
+            "--host",
+            s.host,
+            "--port",
+            str(s.gateway_port),
+            "--grpc-port",
+            str(s.grpc_port),
+            "--scheduler",
+            schedulers,
+            *s.serve_args.get("gateway", []),
+        ]
         proc = _popen(cmd)
-        child = Child("gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc,
-                      cmd, "gateway")  # fmt: skip
+        child = Child(
+            "gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc, cmd, "gateway"
+        )
         self._add(child)
         url = f"http://{child.address}/health"
         deadline = time.monotonic() + s.startup_timeout_s
@@ -159,11 +208,15 @@ class Launcher:
                 stub = health_pb2_grpc.HealthStub(channel)
                 while not _serving(stub):
                     if child.proc.poll() is not None:
-                        raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} "
-                                           "during start-up (its log is above)")  # fmt: skip
+                        raise RuntimeError(
+                            f"{child.name} exited with code {child.proc.returncode} "
+                            "during start-up (its log is above)"
+                        )
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"{child.name} not healthy at {child.address} after "
-                                           f"{self.spec.startup_timeout_s:.0f}s")  # fmt: skip
+                        raise RuntimeError(
+                            f"{child.name} not healthy at {child.address} after "
+                            f"{self.spec.startup_timeout_s:.0f}s"
+                        )
                     time.sleep(0.2)
         self._wait_scheduler_sees_workers(deadline)
 
@@ -190,12 +243,16 @@ class Launcher:
         lines = [f"  redis      {self.redis_url}" + ("  (private)" if private else "")]
         for c in (c for c in self.children if c.role != "redis"):
             if c.role == "gateway":
-                lines.append(f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
-                             f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
-                             "(ferry.v1.Ferry)")  # fmt: skip
+                lines.append(
+                    f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
+                    f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
+                    "(ferry.v1.Ferry)"
+                )
                 continue
-            lines.append(f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
-                         f"{c.metrics_port}/metrics")  # fmt: skip
+            lines.append(
+                f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
+                f"{c.metrics_port}/metrics"
+            )
         return "\n".join(lines)
 
     def wait(self) -> int:
@@ -259,8 +316,10 @@ class Launcher:
             return
         delay = unit.backoff.after_exit(now - unit.started)
         if delay is None:
-            self._say(f"{unit.name} failed {unit.backoff.quick_failures} times in a row soon "
-                      "after starting; not restarting it")  # fmt: skip
+            self._say(
+                f"{unit.name} failed {unit.backoff.quick_failures} times in a row soon "
+                "after starting; not restarting it"
+            )
             unit.state = "down"
             return
         self._say(f"restarting {unit.name} in {delay:.0f} s")
@@ -327,8 +386,11 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"ferry up: pid {p.pid} did not stop within {grace_s:.0f}s; killing it",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"ferry up: pid {p.pid} did not stop within {grace_s:.0f}s; killing it",
+                file=sys.stderr,
+                flush=True,
+            )
             p.kill()
             p.wait()
 
@@ -380,8 +442,10 @@ def run(spec: ClusterSpec) -> int:
     code = 1
     try:
         launcher.start()
-        print(f"ferry up: ready (pid {os.getpid()}); Ctrl-C stops the cluster\n"
-              f"{launcher.describe()}", flush=True)  # fmt: skip
+        print(
+            f"ferry up: ready (pid {os.getpid()}); Ctrl-C stops the cluster\n{launcher.describe()}",
+            flush=True,
+        )
         code = launcher.wait()
     except RuntimeError as e:
         print(f"ferry up: {e}", file=sys.stderr, flush=True)

@@ -19,13 +19,27 @@ def redis_command(port: int, host: str = "127.0.0.1") -> list[str]:
         raise RuntimeError(
             "redis-server is not installed: run `make setup` (apt-get install redis-server)"
         )
-    return [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-            "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+    return [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--protected-mode",
+        "no",
+        "--loglevel",
+        "warning",
+    ]
 
 
 def redis_answers(host: str, port: int, timeout: float = 0.5) -> bool:
-    client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout,
-                         socket_timeout=timeout)  # fmt: skip
+    client = redis.Redis(
+        host=host, port=port, socket_connect_timeout=timeout, socket_timeout=timeout
+    )
     try:
         return bool(client.ping())
     except redis.RedisError:

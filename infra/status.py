@@ -6,8 +6,18 @@ import time
 
 from ferry.services.common.cluster_state import ClusterState, WorkerView
 
-COLUMNS = ("worker", "role", "address", "health", "running", "waiting", "queued_tokens",
-           "kv_used", "kv_total", "kv_cached")  # fmt: skip
+COLUMNS = (
+    "worker",
+    "role",
+    "address",
+    "health",
+    "running",
+    "waiting",
+    "queued_tokens",
+    "kv_used",
+    "kv_total",
+    "kv_cached",
+)
 
 
 def row(view: WorkerView, now: float) -> tuple[str, ...]:
@@ -24,14 +34,24 @@ def row(view: WorkerView, now: float) -> tuple[str, ...]:
         if ld.total_kv_blocks
         else ("-",) * 3
     )
-    return (r.worker_id, r.role, r.address, health, str(ld.running), str(ld.waiting),
-            str(ld.queued_prefill_tokens), *kv)  # fmt: skip
+    return (
+        r.worker_id,
+        r.role,
+        r.address,
+        health,
+        str(ld.running),
+        str(ld.waiting),
+        str(ld.queued_prefill_tokens),
+        *kv,
+    )
 
 
 def table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(COLUMNS, *rows, strict=True)]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
-                     for line in [COLUMNS, *rows])  # fmt: skip
+    return "\n".join(
+        "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+        for line in [COLUMNS, *rows]
+    )
 
 
 async def status(redis_url: str, cluster: str) -> str:

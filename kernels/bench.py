@@ -188,13 +188,21 @@ def norm_cases(s: Shapes) -> Iterator[Case]:
         shape = {"tokens": tokens, "hidden": s.hidden}
         size = tokens * s.hidden * 2  # bytes of one [tokens, hidden] tensor
         yield Case(
-            op="rms_norm", shape=shape, args=(x, w, 1e-6),
-            bytes=2 * size, flops=4 * tokens * s.hidden, compare=close(BF16_TOLERANCE),
-        )  # fmt: skip
+            op="rms_norm",
+            shape=shape,
+            args=(x, w, 1e-6),
+            bytes=2 * size,
+            flops=4 * tokens * s.hidden,
+            compare=close(BF16_TOLERANCE),
+        )
         yield Case(
-            op="add_rms_norm", shape=shape, args=(x, res, w, 1e-6),
-            bytes=4 * size, flops=5 * tokens * s.hidden, compare=close(BF16_TOLERANCE),
-        )  # fmt: skip
+            op="add_rms_norm",
+            shape=shape,
+            args=(x, res, w, 1e-6),
+            bytes=4 * size,
+            flops=5 * tokens * s.hidden,
+            compare=close(BF16_TOLERANCE),
+        )
 
 
 def _route(s: Shapes, tokens: int) -> tuple[Any, ...]:
@@ -227,14 +235,18 @@ def moe_cases(s: Shapes) -> Iterator[Case]:
         yield Case(
             op="fused_moe",
             shape={
-                "tokens": tokens, "experts": s.experts, "top_k": s.top_k, "hidden": s.hidden,
-                "moe_intermediate": s.moe_inter, "experts_touched": touched,
+                "tokens": tokens,
+                "experts": s.experts,
+                "top_k": s.top_k,
+                "hidden": s.hidden,
+                "moe_intermediate": s.moe_inter,
+                "experts_touched": touched,
             },
             args=(_randn(tokens, s.hidden), w13, w2, weights, ids),
             bytes=touched * per_expert + 2 * tokens * s.hidden * 2,
             flops=2 * tokens * s.top_k * 3 * s.hidden * s.moe_inter,
             compare=close(BF16_TOLERANCE),
-        )  # fmt: skip
+        )
 
 
 def decode_cases(s: Shapes) -> Iterator[Case]:
@@ -248,15 +260,18 @@ def decode_cases(s: Shapes) -> Iterator[Case]:
         yield Case(
             op="mla_decode",
             shape={
-                "batch": batch, "context": context, "heads": s.heads,
-                "kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim,
+                "batch": batch,
+                "context": context,
+                "heads": s.heads,
+                "kv_lora_rank": s.kv_lora_rank,
+                "rope_dim": s.rope_dim,
                 "block_size": s.block_size,
             },
             args=(q, cache, tables, lens, s.qk_head_dim**-0.5, s.kv_lora_rank),
             bytes=batch * context * dim * 2 + batch * s.heads * (dim + s.kv_lora_rank) * 2,
             flops=2 * batch * s.heads * context * (dim + s.kv_lora_rank),
             compare=close(BF16_TOLERANCE),
-        )  # fmt: skip
+        )
 
 
 def prefill_cases(s: Shapes) -> Iterator[Case]:
@@ -269,14 +284,17 @@ def prefill_cases(s: Shapes) -> Iterator[Case]:
         yield Case(
             op="prefill_attention",
             shape={
-                "new_tokens": q_len, "context": context, "heads": s.heads,
-                "qk_head_dim": s.qk_head_dim, "v_head_dim": s.v_head_dim,
+                "new_tokens": q_len,
+                "context": context,
+                "heads": s.heads,
+                "qk_head_dim": s.qk_head_dim,
+                "v_head_dim": s.v_head_dim,
             },
             args=(q, k, v, s.qk_head_dim**-0.5),
             bytes=s.heads * elems * 2,
             flops=2 * s.heads * pairs * (s.qk_head_dim + s.v_head_dim),
             compare=close(BF16_TOLERANCE),
-        )  # fmt: skip
+        )
 
 
 SUITES: dict[str, Callable[[Shapes], Iterator[Case]]] = {
@@ -400,8 +418,9 @@ def _model_logits_row(preset: str, attention: str, tokens: int) -> dict[str, Any
     from ferry.services.engine.model import prompt_logits
 
     row: dict[str, Any] = {
-        "op": "model_logits", "shape": {"preset": preset, "attention": attention, "tokens": tokens},
-    }  # fmt: skip
+        "op": "model_logits",
+        "shape": {"preset": preset, "attention": attention, "tokens": tokens},
+    }
     try:
         model = _model(preset, torch.float32)
         ids = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
@@ -422,9 +441,13 @@ def _model_step_row(preset: str, sequences: int, context: int, new_tokens: int) 
     kind = "model_decode_step" if new_tokens == 1 else "model_prefill"
     row: dict[str, Any] = {
         "op": kind,
-        "shape": {"preset": preset, "sequences": sequences, "context": context,
-                  "new_tokens": new_tokens},
-    }  # fmt: skip
+        "shape": {
+            "preset": preset,
+            "sequences": sequences,
+            "context": context,
+            "new_tokens": new_tokens,
+        },
+    }
     try:
         model = _model(preset, torch.bfloat16)
         block_size = 64
@@ -432,9 +455,12 @@ def _model_step_row(preset: str, sequences: int, context: int, new_tokens: int) 
         cache = model.allocate_kv_cache(sequences * per_seq, block_size)
         tables = torch.randperm(sequences * per_seq).view(sequences, per_seq).tolist()
         batch = ForwardBatch.build(
-            [new_tokens] * sequences, [context - new_tokens] * sequences, tables, block_size,
+            [new_tokens] * sequences,
+            [context - new_tokens] * sequences,
+            tables,
+            block_size,
             device=DEVICE,
-        )  # fmt: skip
+        )
         ids = torch.randint(0, model.config.vocab_size, (sequences * new_tokens,), device=DEVICE)
 
         def forward() -> Any:

@@ -280,9 +280,17 @@ class _SessionBuilder:
         if n_prompt + n_out > c.max_context_tokens:
             return None
         think = 0.0 if parent is None else self._think()
-        req = Request(f"s{self.index:06d}/{agent}/{turn:02d}", self.index, agent,
-                      parent.id if parent else None, append, _text(self.rng, n_out), n_out,
-                      think, n_prompt)  # fmt: skip
+        req = Request(
+            f"s{self.index:06d}/{agent}/{turn:02d}",
+            self.index,
+            agent,
+            parent.id if parent else None,
+            append,
+            _text(self.rng, n_out),
+            n_out,
+            think,
+            n_prompt,
+        )
         self.requests.append(req)
         self.contexts[req.id] = messages
         return req

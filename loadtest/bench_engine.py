@@ -50,8 +50,13 @@ def run_ferry(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> di
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs)
     engine.check_integrity()
-    return {"requests": len(reqs), "output_tokens": tokens, "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds, "preemptions": engine.num_preemptions}  # fmt: skip
+    return {
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "preemptions": engine.num_preemptions,
+    }
 
 
 def outside_forward_share(
@@ -78,9 +83,14 @@ def outside_forward_share(
         forward += stats.forward_s
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
-    return {"running_seqs": 64, "steps": 30, "step_ms": total / 30 * 1e3,
-            "forward_ms": forward / 30 * 1e3, "share": 1 - forward / total,
-            "profile_last_10_steps": buf.getvalue().splitlines()[:40]}  # fmt: skip
+    return {
+        "running_seqs": 64,
+        "steps": 30,
+        "step_ms": total / 30 * 1e3,
+        "forward_ms": forward / 30 * 1e3,
+        "share": 1 - forward / total,
+        "profile_last_10_steps": buf.getvalue().splitlines()[:40],
+    }
 
 
 def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -102,21 +112,38 @@ def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[
             mask[i, width - len(p) :] = 1
         new = max(o for _, o in batch)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                           min_new_tokens=new, eos_token_id=None, pad_token_id=pad)  # fmt: skip
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
         tokens += sum(o for _, o in batch)
         print(
             f"  transformers: {start + len(batch)}/{len(reqs)} requests, {time.perf_counter() - t:.0f}s",
             flush=True,
         )
     seconds = time.perf_counter() - t
-    return {"requests": len(reqs), "output_tokens": tokens, "seconds": seconds,
-            "output_tokens_per_s": tokens / seconds}  # fmt: skip
+    return {
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+    }
 
 
 def _config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype="float32", block_size=64, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=2048, kv_cache_memory_bytes=args.kv_cache_gib << 30)  # fmt: skip
+    return EngineConfig(
+        model=args.model,
+        dtype="float32",
+        block_size=64,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=args.kv_cache_gib << 30,
+    )
 
 
 def main() -> None:
@@ -151,16 +178,27 @@ def main() -> None:
     result = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "python": platform.python_version()},
-        "workload": {"model": args.model, "dtype": "float32", "requests": args.num_requests,
-                     "prompt_len": [32, 1024], "output_len": [16, 512], "seed": args.seed, "greedy": True},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        },
+        "workload": {
+            "model": args.model,
+            "dtype": "float32",
+            "requests": args.num_requests,
+            "prompt_len": [32, 1024],
+            "output_len": [16, 512],
+            "seed": args.seed,
+            "greedy": True,
+        },
         "ferry": ferry,
         "transformers": {**hf, "batch_size": 16, "padding": "left"},
         "ratio": ratio,
         "outside_forward_at_64": share,
         "targets": {"ratio": 5, "outside_forward_share": 0.10},
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

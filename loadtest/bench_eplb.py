@@ -63,13 +63,24 @@ class Config(NamedTuple):
 
 
 def configs() -> list[Config]:
-    out = [Config("deepseek-v3", 58, 256, 288, 8, nodes, gpus)
-           for gpus, nodes in ((32, 4), (72, 18), (144, 18))]  # fmt: skip
+    out = [
+        Config("deepseek-v3", 58, 256, 288, 8, nodes, gpus)
+        for gpus, nodes in ((32, 4), (72, 18), (144, 18))
+    ]
     for preset in ("tiny", "small"):
         mc = model_config(preset)
         for gpus in (2, 4):
-            out.append(Config(preset, mc.num_moe_layers, mc.n_routed_experts,
-                              mc.n_routed_experts + gpus, mc.n_group, 1, gpus))  # fmt: skip
+            out.append(
+                Config(
+                    preset,
+                    mc.num_moe_layers,
+                    mc.n_routed_experts,
+                    mc.n_routed_experts + gpus,
+                    mc.n_group,
+                    1,
+                    gpus,
+                )
+            )
     return out
 
 
@@ -109,20 +120,33 @@ def run(cfg: Config, kind: str, seed: int, reps: int) -> dict[str, Any]:
     later = drift(weight, seed + 1)
     gpus, extra = cfg.num_gpus, cfg.num_replicas - cfg.num_experts
     trivial = ExpertPlacement.spread(cfg.num_layers, cfg.num_experts, gpus, 0, extra)
-    first, seconds = timed({"ferry": lambda: rebalance(weight, *cfg.args()),
-                            "published": lambda: published(weight, cfg)}, reps)  # fmt: skip
-    second, drift_seconds = timed({
-        "ferry": lambda: rebalance(later, *cfg.args(), previous=first["ferry"]),
-        "ferry_fresh": lambda: rebalance(later, *cfg.args()),
-        "published": lambda: published(later, cfg),
-    }, reps)  # fmt: skip
+    first, seconds = timed(
+        {
+            "ferry": lambda: rebalance(weight, *cfg.args()),
+            "published": lambda: published(weight, cfg),
+        },
+        reps,
+    )
+    second, drift_seconds = timed(
+        {
+            "ferry": lambda: rebalance(later, *cfg.args(), previous=first["ferry"]),
+            "ferry_fresh": lambda: rebalance(later, *cfg.args()),
+            "published": lambda: published(later, cfg),
+        },
+        reps,
+    )
     bal = {name: balancedness(weight, p, gpus) for name, p in first.items()}
     bal["trivial"] = balancedness(weight, trivial.slot_to_logical, gpus)
-    moved = {"ferry": second["ferry"].slots_moved,
-             "ferry_fresh": slots_changed(first["ferry"], second["ferry_fresh"]),
-             "published": slots_changed(first["published"], second["published"])}  # fmt: skip
+    moved = {
+        "ferry": second["ferry"].slots_moved,
+        "ferry_fresh": slots_changed(first["ferry"], second["ferry_fresh"]),
+        "published": slots_changed(first["published"], second["published"]),
+    }
     return {
-        "config": cfg.name, **cfg._asdict(), "policy": cfg.policy, "loads": kind,
+        "config": cfg.name,
+        **cfg._asdict(),
+        "policy": cfg.policy,
+        "loads": kind,
         "balancedness": bal,
         "seconds": {**seconds, "ferry_with_previous": drift_seconds["ferry"]},
         "speedup": seconds["published"] / seconds["ferry"],
@@ -136,33 +160,44 @@ def run(cfg: Config, kind: str, seed: int, reps: int) -> dict[str, Any]:
             "at_least_10x_faster": seconds["published"] >= 10 * seconds["ferry"],
             "fewer_slots_moved": moved["ferry"] < moved["published"],
         },
-    }  # fmt: skip
+    }
 
 
 def machine() -> dict[str, Any]:
     pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return {"cpus": os.cpu_count(), "memory_gib": round(pages * page_size / 2**30, 1),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(pages * page_size / 2**30, 1),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def report(row: dict[str, Any]) -> str:
     bal, sec, moved = row["balancedness"], row["seconds"], row["drift"]["slots_moved"]
-    return (f"{row['config']:<28} {row['loads']:<9} balancedness ferry {bal['ferry']:.4f} "
-            f"published {bal['published']:.4f} trivial {bal['trivial']:.4f} | "
-            f"{sec['ferry'] * 1e3:7.1f} ms vs {sec['published'] * 1e3:7.1f} ms "
-            f"({row['speedup']:5.1f}x) | drift: moved {moved['ferry']} vs {moved['published']} "
-            f"of {row['drift']['slots']}")  # fmt: skip
+    return (
+        f"{row['config']:<28} {row['loads']:<9} balancedness ferry {bal['ferry']:.4f} "
+        f"published {bal['published']:.4f} trivial {bal['trivial']:.4f} | "
+        f"{sec['ferry'] * 1e3:7.1f} ms vs {sec['published'] * 1e3:7.1f} ms "
+        f"({row['speedup']:5.1f}x) | drift: moved {moved['ferry']} vs {moved['published']} "
+        f"of {row['drift']['slots']}"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--reps", type=int, default=7, help="timed runs per algorithm (median)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (the published algorithm's tensors are small: more "
-                        "threads only add overhead and noise)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (the published algorithm's tensors are small: more "
+        "threads only add overhead and noise)",
+    )
     p.add_argument("--out", default="loadtest/results/eplb.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -41,10 +41,28 @@ RUNS = [("ucx", "contiguous"), ("ucx", "scattered"), ("grpc", "contiguous")]
 def exporter(
     transport: str, layers: int, dim: int, dtype: str, sizes: list[int], blocks: str
 ) -> tuple[subprocess.Popen[str], list[KvHandle]]:
-    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--transport", transport,
-           "--layers", str(layers), "--dim", str(dim), "--dtype", dtype, "--block-size", str(BLOCK),
-           "--blocks", str(max(sizes)), "--reuse-blocks", "--lease-seconds", "600",
-           "--sizes", ",".join(map(str, sizes))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.kv_transfer.synthetic_exporter",
+        "--transport",
+        transport,
+        "--layers",
+        str(layers),
+        "--dim",
+        str(dim),
+        "--dtype",
+        dtype,
+        "--block-size",
+        str(BLOCK),
+        "--blocks",
+        str(max(sizes)),
+        "--reuse-blocks",
+        "--lease-seconds",
+        "600",
+        "--sizes",
+        ",".join(map(str, sizes)),
+    ]
     if blocks == "contiguous":
         cmd.append("--contiguous")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -96,16 +114,24 @@ async def measure(
             }
         )
     if concurrent:
-        rows.append(await _concurrent_latency(imp, queue, blocks, tokens[0] // BLOCK, n_max,
-                                              perm, concurrent))  # fmt: skip
+        rows.append(
+            await _concurrent_latency(
+                imp, queue, blocks, tokens[0] // BLOCK, n_max, perm, concurrent
+            )
+        )
     await imp.transport.close()
     return rows
 
 
 async def _concurrent_latency(
-    imp: KvImporter, queue: list[KvHandle], blocks: str, n: int, n_max: int, perm: list[int],
+    imp: KvImporter,
+    queue: list[KvHandle],
+    blocks: str,
+    n: int,
+    n_max: int,
+    perm: list[int],
     concurrent: int,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     """p50/p99 of ``n``-block pulls, ``concurrent`` at a time, four rounds."""
     lat: list[float] = []
     for _ in range(4):
@@ -122,9 +148,14 @@ async def _concurrent_latency(
             dsts = [[perm[(i * n + j) % n_max] for j in range(n)] for i in range(concurrent)]
         await asyncio.gather(*(one(h, d) for h, d in zip(batch, dsts, strict=True)))
     lat.sort()
-    return {"transport": imp.transport.name, "blocks": blocks, "tokens": n * BLOCK,
-            "concurrent": concurrent, "p50_ms": lat[len(lat) // 2] * 1e3,
-            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3}  # fmt: skip
+    return {
+        "transport": imp.transport.name,
+        "blocks": blocks,
+        "tokens": n * BLOCK,
+        "concurrent": concurrent,
+        "p50_ms": lat[len(lat) // 2] * 1e3,
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
+    }
 
 
 def local_copy(
@@ -174,8 +205,13 @@ def ucx_perftest(nbytes: int, port: int) -> float:
     )
     try:
         time.sleep(1.0)
-        out = subprocess.run([str(root / "bin" / "ucx_perftest"), "127.0.0.1", *args], env=env,
-                             capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+        out = subprocess.run(
+            [str(root / "bin" / "ucx_perftest"), "127.0.0.1", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        ).stdout
     finally:
         server.kill()
         server.wait()

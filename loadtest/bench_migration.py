@@ -44,8 +44,9 @@ from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc, scheduler_pb2, s
 Stub = scheduler_pb2_grpc.SchedulerStub | ferry_pb2_grpc.FerryStub
 
 
-async def _one(stub: Stub, prompt: list[int], n: int, progress: list[int],
-               i: int) -> dict[str, object]:  # fmt: skip
+async def _one(
+    stub: Stub, prompt: list[int], n: int, progress: list[int], i: int
+) -> dict[str, object]:
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     req: object = (  # the scheduler's API, or the gateway's
         scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
@@ -65,18 +66,32 @@ async def _one(stub: Stub, prompt: list[int], n: int, progress: list[int],
             progress[i] = len(tokens)
     except grpc.aio.AioRpcError as e:
         error = f"{e.code().name}: {e.details()}"
-    return {"tokens": tokens, "handoff_s": gaps[0] if gaps else 0.0,
-            "max_gap_s": max(gaps[1:], default=0.0), "error": error}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "handoff_s": gaps[0] if gaps else 0.0,
+        "max_gap_s": max(gaps[1:], default=0.0),
+        "error": error,
+    }
 
 
-async def _round(address: str, gateway: bool, prompts: list[list[int]], n: int, kill: int = 0,
-                 victim: Launcher | None = None, name: str = "") -> tuple[list[dict[str, object]], float]:  # fmt: skip
+async def _round(
+    address: str,
+    gateway: bool,
+    prompts: list[list[int]],
+    n: int,
+    kill: int = 0,
+    victim: Launcher | None = None,
+    name: str = "",
+) -> tuple[list[dict[str, object]], float]:
     """All ``prompts`` at once; with ``kill``, SIGKILL service ``name`` once every request has
     ``kill`` tokens."""
     progress = [0] * len(prompts)
     async with grpc.aio.insecure_channel(address) as channel:
-        stub: Stub = (ferry_pb2_grpc.FerryStub(channel) if gateway
-                      else scheduler_pb2_grpc.SchedulerStub(channel))  # fmt: skip
+        stub: Stub = (
+            ferry_pb2_grpc.FerryStub(channel)
+            if gateway
+            else scheduler_pb2_grpc.SchedulerStub(channel)
+        )
         t = time.perf_counter()
         tasks = [asyncio.create_task(_one(stub, p, n, progress, i)) for i, p in enumerate(prompts)]
         if kill and victim is not None:
@@ -109,8 +124,9 @@ def _serving(launcher: Launcher, name: str, timeout: float = 60) -> None:
         if child.proc.poll() is None:
             try:
                 with grpc.insecure_channel(child.address) as ch:
-                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                                 timeout=1)  # fmt: skip
+                    reply = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1
+                    )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     time.sleep(1.5)  # a heartbeat: the scheduler sees it again
                     return
@@ -129,19 +145,33 @@ def main() -> None:
     p.add_argument("--kill-after", type=int, default=32, help="tokens every request has first")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kill", choices=["decode", "scheduler"], default="decode",
-                   help="a decode worker (the scheduler moves its requests) or one of two "
-                        "scheduler replicas (the gateway moves its requests)")  # fmt: skip
+    p.add_argument(
+        "--kill",
+        choices=["decode", "scheduler"],
+        default="decode",
+        help="a decode worker (the scheduler moves its requests) or one of two "
+        "scheduler replicas (the gateway moves its requests)",
+    )
     p.add_argument("--out", default="loadtest/results/migration.json")
     args = p.parse_args()
     worker = ["--model", args.model, "--block-size", "16", "--log-level", "warning"]
     moves = ["--migration-limit", "1", "--log-level", "warning"]
     by_gateway = args.kill == "scheduler"
-    spec = ClusterSpec(prefill=1, decode=2, schedulers=2 if by_gateway else 1,
-                       scheduler_port=free_port(), cluster="bench-migration",
-                       gateway_port=free_port() if by_gateway else 0, grpc_port=free_port(),
-                       serve_args={"prefill": worker, "decode": worker, "scheduler": moves,
-                                   "gateway": ["--model", args.model, *moves]})  # fmt: skip
+    spec = ClusterSpec(
+        prefill=1,
+        decode=2,
+        schedulers=2 if by_gateway else 1,
+        scheduler_port=free_port(),
+        cluster="bench-migration",
+        gateway_port=free_port() if by_gateway else 0,
+        grpc_port=free_port(),
+        serve_args={
+            "prefill": worker,
+            "decode": worker,
+            "scheduler": moves,
+            "gateway": ["--model", args.model, *moves],
+        },
+    )
     launcher = Launcher(spec)
     launcher.start()
     threading.Thread(target=launcher.wait, daemon=True).start()  # restarts the killed service
@@ -151,13 +181,18 @@ def main() -> None:
     trials = []
     try:
         for t in range(args.trials):
-            prompts = [torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
-                       for _ in range(args.requests)]  # fmt: skip
+            prompts = [
+                torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
+                for _ in range(args.requests)
+            ]
             calm, calm_s = asyncio.run(_round(address, by_gateway, prompts, args.output_len))
             before = _migrations(launcher, mover)
             victim = f"{args.kill}-{t % 2}"
-            hit, hit_s = asyncio.run(_round(address, by_gateway, prompts, args.output_len,
-                                            args.kill_after, launcher, victim))  # fmt: skip
+            hit, hit_s = asyncio.run(
+                _round(
+                    address, by_gateway, prompts, args.output_len, args.kill_after, launcher, victim
+                )
+            )
             moved = int(_migrations(launcher, mover) - before)
             gaps = sorted((float(r["max_gap_s"]) for r in hit), reverse=True)  # type: ignore[arg-type]
             calm_gaps = [float(r["max_gap_s"]) for r in calm]  # type: ignore[arg-type]
@@ -194,22 +229,30 @@ def main() -> None:
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
-        "workload": {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "kill_after_tokens": args.kill_after,
-                     "greedy": True, "killed": args.kill,
-                     "cluster": "1 prefill + 2 decode, ucx, --migration-limit 1"
-                                + (", 2 schedulers, requests through the gateway's gRPC API"
-                                   if by_gateway else "")},
+        "workload": {
+            "model": args.model,
+            "requests": args.requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "kill_after_tokens": args.kill_after,
+            "greedy": True,
+            "killed": args.kill,
+            "cluster": "1 prefill + 2 decode, ucx, --migration-limit 1"
+            + (", 2 schedulers, requests through the gateway's gRPC API" if by_gateway else ""),
+        },
         "moved_requests": len(moved_gaps),
         "moved_stall_median_s": statistics.median(moved_gaps) if moved_gaps else None,
         "undisturbed_handoff_median_s": statistics.median(
-            float(r["undisturbed_handoff_median_s"]) for r in trials),  # type: ignore[arg-type]
+            float(r["undisturbed_handoff_median_s"]) for r in trials
+        ),  # type: ignore[arg-type]
         "undisturbed_max_stall_median_s": statistics.median(
-            float(r["undisturbed_max_stall_s"]) for r in trials),  # type: ignore[arg-type]
+            float(r["undisturbed_max_stall_s"]) for r in trials
+        ),  # type: ignore[arg-type]
         "all_complete_and_equal": all(
-            r["complete"] == r["same_tokens_as_undisturbed"] == args.requests for r in trials),
+            r["complete"] == r["same_tokens_as_undisturbed"] == args.requests for r in trials
+        ),
         "trials": trials,
-    }  # fmt: skip
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

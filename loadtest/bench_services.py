@@ -51,8 +51,12 @@ def workload(n: int, seed: int, prompt: tuple[int, int]) -> list[list[int]]:
 
 
 def _rate(tokens: int, seconds: float, **extra: object) -> dict[str, object]:
-    return {"output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds,
-            **extra}  # fmt: skip
+    return {
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        **extra,
+    }
 
 
 def run_inprocess(
@@ -99,11 +103,18 @@ def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     threads = ["--torch-threads", str(args.worker_threads)]
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, scheduler_port=free_port(),
-                       gateway_port=0,
-                       cluster="bench", serve_args={"prefill": [*worker, *threads],
-                                                    "decode": [*worker, *threads],
-                                                    "scheduler": ["--log-level", "warning"]})  # fmt: skip
+    spec = ClusterSpec(
+        prefill=args.prefill,
+        decode=args.decode,
+        scheduler_port=free_port(),
+        gateway_port=0,
+        cluster="bench",
+        serve_args={
+            "prefill": [*worker, *threads],
+            "decode": [*worker, *threads],
+            "scheduler": ["--log-level", "warning"],
+        },
+    )
     launcher = Launcher(spec)
     launcher.start()
     return launcher, f"{spec.host}:{spec.scheduler_port}"
@@ -136,12 +147,17 @@ def main() -> None:
         asyncio.run(_drive(address, warmup, n))
         for r in range(args.rounds):
             prompts = workload(args.requests, args.seed + r, span)
-            row = {"cluster": asyncio.run(_drive(address, prompts, n)),
-                   "inprocess_matched": run_inprocess(engine, args.worker_threads, prompts, n),
-                   "inprocess_all_cores": run_inprocess(engine, all_cores, prompts, n)}  # fmt: skip
+            row = {
+                "cluster": asyncio.run(_drive(address, prompts, n)),
+                "inprocess_matched": run_inprocess(engine, args.worker_threads, prompts, n),
+                "inprocess_all_cores": run_inprocess(engine, all_cores, prompts, n),
+            }
             rounds.append(row)
-            print(f"round {r}: " + ", ".join(f"{k} {v['output_tokens_per_s']:.0f} tok/s"
-                                             for k, v in row.items()), flush=True)  # fmt: skip
+            print(
+                f"round {r}: "
+                + ", ".join(f"{k} {v['output_tokens_per_s']:.0f} tok/s" for k, v in row.items()),
+                flush=True,
+            )
     finally:
         launcher.stop()
 
@@ -157,14 +173,27 @@ def main() -> None:
     result = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "workload": {"model": args.model, "requests": args.requests, "concurrent": args.requests,
-                     "prompt_len": list(span), "output_len": n, "greedy": True,
-                     "seed": args.seed, "rounds": args.rounds},
-        "cluster_config": {"prefill_workers": args.prefill, "decode_workers": args.decode,
-                           "kv_transport": args.kv_transport,
-                           "torch_threads_per_worker": args.worker_threads},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "workload": {
+            "model": args.model,
+            "requests": args.requests,
+            "concurrent": args.requests,
+            "prompt_len": list(span),
+            "output_len": n,
+            "greedy": True,
+            "seed": args.seed,
+            "rounds": args.rounds,
+        },
+        "cluster_config": {
+            "prefill_workers": args.prefill,
+            "decode_workers": args.decode,
+            "kv_transport": args.kv_transport,
+            "torch_threads_per_worker": args.worker_threads,
+        },
         "cluster_tokens_per_s": median("cluster"),
         "inprocess_tokens_per_s": median("inprocess_matched"),
         "ratio": ratio("inprocess_matched"),
@@ -174,10 +203,12 @@ def main() -> None:
         "inprocess_all_cores_threads": all_cores,
         "target_ratio": 0.70,
         "rounds": rounds,
-    }  # fmt: skip
-    print(f"cluster / in-process ({args.worker_threads} thread(s), as a worker): "
-          f"{result['ratio']:.0%} (target >= 70%); / in-process on all {all_cores} cores: "
-          f"{result['ratio_all_cores']:.0%}")  # fmt: skip
+    }
+    print(
+        f"cluster / in-process ({args.worker_threads} thread(s), as a worker): "
+        f"{result['ratio']:.0%} (target >= 70%); / in-process on all {all_cores} cores: "
+        f"{result['ratio_all_cores']:.0%}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

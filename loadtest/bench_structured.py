@@ -27,18 +27,25 @@ import torch
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.sampling_params import StructuredOutput
 
-SCHEMA = json.dumps({
-    "type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-    "properties": {"name": {"type": "string", "maxLength": 20},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
-})  # fmt: skip
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "tags"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        },
+    }
+)
 
 
 def decode_round(engine: Engine, prompts: list[list[int]], n: int, structured: bool) -> float:
     spec = StructuredOutput("regex", f"[a-z ]{{{n}}}") if structured else None
-    params = SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=not structured,
-                            structured_output=spec)  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=n + 1, ignore_eos=not structured, structured_output=spec
+    )
     started = time.perf_counter()
     outs = engine.generate(prompts, [params] * len(prompts))
     seconds = time.perf_counter() - started
@@ -65,9 +72,13 @@ def compile_ms(vocab: list[bytes], eos: int) -> dict[str, float]:
         matcher.fill_next_token_bitmask(bitmask, 0)
         fills.append(time.perf_counter() - t)
         matcher.accept_token(ch)
-    return {"vocab": len(vocab), "compiler_ms": (ready - started) * 1e3,
-            "first_compile_ms": (first - ready) * 1e3, "cached_compile_ms": (again - first) * 1e3,
-            "mask_fill_ms_median": sorted(fills)[len(fills) // 2] * 1e3}  # fmt: skip
+    return {
+        "vocab": len(vocab),
+        "compiler_ms": (ready - started) * 1e3,
+        "first_compile_ms": (first - ready) * 1e3,
+        "cached_compile_ms": (again - first) * 1e3,
+        "mask_fill_ms_median": sorted(fills)[len(fills) // 2] * 1e3,
+    }
 
 
 def synthetic_vocab(size: int, seed: int) -> list[bytes]:
@@ -108,13 +119,22 @@ def main() -> None:
     result = {
         "command": shlex.join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "python": platform.python_version()},
-        "decode": {"model": args.model, "batch": args.batch, "tokens_per_request": args.tokens + 1,
-                   "free_tokens_per_s": free, "regex_tokens_per_s": constrained,
-                   "median_ratio_regex_to_free": med[1] / med[0]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        },
+        "decode": {
+            "model": args.model,
+            "batch": args.batch,
+            "tokens_per_request": args.tokens + 1,
+            "free_tokens_per_s": free,
+            "regex_tokens_per_s": constrained,
+            "median_ratio_regex_to_free": med[1] / med[0],
+        },
         "compile": {"preset_vocab": small, "synthetic_deepseek_size_vocab": large},
-    }  # fmt: skip
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -36,8 +36,9 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model import load_model, model_config
 
 
-def _layer_rank(rank: int, size: int, master: str, model: str, tokens: int, iters: int,
-                out: str) -> None:  # fmt: skip
+def _layer_rank(
+    rank: int, size: int, master: str, model: str, tokens: int, iters: int, out: str
+) -> None:
     torch.set_num_threads(1)
     group = EPGroup.init(size, rank, master)
     mc = model_config(model)
@@ -49,17 +50,28 @@ def _layer_rank(rank: int, size: int, master: str, model: str, tokens: int, iter
     times: dict[str, list[float]] = {"dispatch": [], "compute": [], "combine": []}
     with torch.inference_mode():
         logits = torch.nn.functional.linear(x.float(), moe.gate.weight)
-        weights, ids = ops.moe_route(logits, moe.gate.e_score_correction_bias,
-                                     mc.num_experts_per_tok, mc.n_group, mc.topk_group,
-                                     mc.norm_topk_prob, mc.routed_scaling_factor)  # fmt: skip
+        weights, ids = ops.moe_route(
+            logits,
+            moe.gate.e_score_correction_bias,
+            mc.num_experts_per_tok,
+            mc.n_group,
+            mc.topk_group,
+            mc.norm_topk_prob,
+            mc.routed_scaling_factor,
+        )
         slots = placement.select_slots(moe.moe_layer, ids)
         for i in range(iters + 3):
             dist.barrier()
             t0 = time.perf_counter()
             d = dispatch(x, slots, weights, placement.slots_per_rank, group)
             t1 = time.perf_counter()
-            y = ops.fused_moe(d.hidden, moe.experts.w13, moe.experts.w2, d.weights[:, None],
-                              d.local_slots[:, None])  # fmt: skip
+            y = ops.fused_moe(
+                d.hidden,
+                moe.experts.w13,
+                moe.experts.w2,
+                d.weights[:, None],
+                d.local_slots[:, None],
+            )
             t2 = time.perf_counter()
             combine(y, d, group)
             t3 = time.perf_counter()
@@ -70,8 +82,9 @@ def _layer_rank(rank: int, size: int, master: str, model: str, tokens: int, iter
     group.close()
 
 
-def _decode_rank(rank: int, size: int, master: str, dep: bool, model: str, n: int,
-                 out: str) -> None:  # fmt: skip
+def _decode_rank(
+    rank: int, size: int, master: str, dep: bool, model: str, n: int, out: str
+) -> None:
     torch.set_num_threads(1)
     group = EPGroup.init(size, rank, master)
     mc = model_config(model)
@@ -82,8 +95,12 @@ def _decode_rank(rank: int, size: int, master: str, dep: bool, model: str, n: in
     else:
         engine = Engine(cfg)
     gen = torch.Generator().manual_seed(rank)
-    prompts = [torch.randint(1, 250, (int(torch.randint(32, 257, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(n)]  # fmt: skip
+    prompts = [
+        torch.randint(
+            1, 250, (int(torch.randint(32, 257, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(n)
+    ]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     dist.barrier()
     t = time.perf_counter()
@@ -92,7 +109,8 @@ def _decode_rank(rank: int, size: int, master: str, dep: bool, model: str, n: in
     seconds = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
     Path(out, f"decode-{'dep' if dep else 'solo'}-{rank}.json").write_text(
-        json.dumps({"tokens": tokens, "seconds": seconds}))  # fmt: skip
+        json.dumps({"tokens": tokens, "seconds": seconds})
+    )
     group.close()
 
 
@@ -107,26 +125,45 @@ def main() -> None:
     result: dict[str, object] = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                    "python": platform.python_version()},
-        "model": args.model, "layer": {}, "decode": {},
-    }  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "model": args.model,
+        "layer": {},
+        "decode": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for size in (2, 4):
             master = f"127.0.0.1:{free_port()}"
-            mp.spawn(_layer_rank, args=(size, master, args.model, args.tokens, args.iters, tmp),
-                     nprocs=size, join=True)  # fmt: skip
-            ranks = [json.loads(Path(tmp, f"layer-{size}-{r}.json").read_text())
-                     for r in range(size)]  # fmt: skip
-            row = {k: statistics.median(t for rk in ranks for t in rk[k]) * 1e3
-                   for k in ("dispatch", "compute", "combine")}  # fmt: skip
+            mp.spawn(
+                _layer_rank,
+                args=(size, master, args.model, args.tokens, args.iters, tmp),
+                nprocs=size,
+                join=True,
+            )
+            ranks = [
+                json.loads(Path(tmp, f"layer-{size}-{r}.json").read_text()) for r in range(size)
+            ]
+            row = {
+                k: statistics.median(t for rk in ranks for t in rk[k]) * 1e3
+                for k in ("dispatch", "compute", "combine")
+            }
             result["layer"][f"{size}_ranks"] = {f"{k}_ms": v for k, v in row.items()}  # type: ignore[index]
-            print(f"{size} ranks, one MoE layer, {args.tokens} tokens/rank: " +
-                  ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()), flush=True)  # fmt: skip
+            print(
+                f"{size} ranks, one MoE layer, {args.tokens} tokens/rank: "
+                + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()),
+                flush=True,
+            )
         for dep in (True, False):
             master = f"127.0.0.1:{free_port()}"
-            mp.spawn(_decode_rank, args=(2, master, dep, args.model, args.requests, tmp),
-                     nprocs=2, join=True)  # fmt: skip
+            mp.spawn(
+                _decode_rank,
+                args=(2, master, dep, args.model, args.requests, tmp),
+                nprocs=2,
+                join=True,
+            )
             name = "dep" if dep else "solo"
             ranks = [json.loads(Path(tmp, f"decode-{name}-{r}.json").read_text()) for r in range(2)]
             tps = sum(r["tokens"] for r in ranks) / max(r["seconds"] for r in ranks)
@@ -134,8 +171,10 @@ def main() -> None:
             result["decode"][key] = {"output_tokens_per_s": tps, "requests": 2 * args.requests}  # type: ignore[index]
             print(f"decode, {key}: {tps:.0f} tokens/s", flush=True)
     d = result["decode"]
-    result["dep2_over_independent"] = (d["dep2_group"]["output_tokens_per_s"]  # type: ignore[index]
-                                       / d["two_independent_workers"]["output_tokens_per_s"])  # type: ignore[index]  # fmt: skip
+    result["dep2_over_independent"] = (
+        d["dep2_group"]["output_tokens_per_s"]  # type: ignore[index]
+        / d["two_independent_workers"]["output_tokens_per_s"]
+    )  # type: ignore[index]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -134,13 +134,25 @@ class RequestLog:
         self.finished += 1
         if self.file is None:
             return
-        row = {"api": api, "id": request.id, "session": request.session, "agent": request.agent,
-               "max_tokens": request.max_tokens, "expected_prompt_tokens": request.prompt_tokens,
-               "sent_at": m.sent_at, "ttft": m.ttft, "tpot": m.tpot, "e2e": m.e2e,
-               "itl": [round(x, 6) for x in m.itl], "prompt_tokens": m.prompt_tokens,
-               "cached_tokens": m.cached_tokens, "completion_tokens": m.completion_tokens,
-               "finish_reason": m.finish_reason, "ok": m.ok,
-               "error": "" if m.ok else m.failure()}  # fmt: skip
+        row = {
+            "api": api,
+            "id": request.id,
+            "session": request.session,
+            "agent": request.agent,
+            "max_tokens": request.max_tokens,
+            "expected_prompt_tokens": request.prompt_tokens,
+            "sent_at": m.sent_at,
+            "ttft": m.ttft,
+            "tpot": m.tpot,
+            "e2e": m.e2e,
+            "itl": [round(x, 6) for x in m.itl],
+            "prompt_tokens": m.prompt_tokens,
+            "cached_tokens": m.cached_tokens,
+            "completion_tokens": m.completion_tokens,
+            "finish_reason": m.finish_reason,
+            "ok": m.ok,
+            "error": "" if m.ok else m.failure(),
+        }
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -169,11 +181,15 @@ def _add_options(parser: Any) -> None:
     parser.add_argument("--agentx-trace", default="", help="replay this trace (JSON lines)")
     parser.add_argument("--agentx-seed", type=int, default=0, help="workload seed (no trace)")
     parser.add_argument("--agentx-sessions", default="0:", help="START:STOP sessions to play")
-    parser.add_argument("--agentx-max-context", type=int, default=4096,
-                        help="the model's max_model_len (no trace)")  # fmt: skip
+    parser.add_argument(
+        "--agentx-max-context", type=int, default=4096, help="the model's max_model_len (no trace)"
+    )
     parser.add_argument("--agentx-log", default="", help="write one JSON line per request")
-    parser.add_argument("--agentx-grpc-host", default="127.0.0.1:50051",
-                        help="the gateway's public gRPC API (AgentGrpcUser)")  # fmt: skip
+    parser.add_argument(
+        "--agentx-grpc-host",
+        default="127.0.0.1:50051",
+        help="the gateway's public gRPC API (AgentGrpcUser)",
+    )
     parser.add_argument("--agentx-model", default="tiny", help="the served model name")
 
 
@@ -240,10 +256,13 @@ class _Agent(User):
     def _fire(self, m: Measured) -> None:
         def fire(kind: str, seconds: float, length: int = 0, error: str = "") -> None:
             self.environment.events.request.fire(
-                request_type=kind, name=self.api, response_time=seconds * 1000,
-                response_length=length, exception=RuntimeError(error) if error else None,
+                request_type=kind,
+                name=self.api,
+                response_time=seconds * 1000,
+                response_length=length,
+                exception=RuntimeError(error) if error else None,
                 context={},
-            )  # fmt: skip
+            )
 
         if m.ttft is not None:
             fire("TTFT", m.ttft, m.prompt_tokens)
@@ -267,13 +286,23 @@ class AgentChatUser(_Agent):
         self.http.close()
 
     def send(self, request: Request, messages: list[Message]) -> Measured:
-        body = {"model": _run().model, "messages": messages, "max_tokens": request.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": _run().model,
+            "messages": messages,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         m = Measured()
         try:
-            with self.http.post(f"{self.host}/v1/chat/completions", json=body, stream=True,
-                                timeout=(10, REQUEST_TIMEOUT_S)) as resp:  # fmt: skip
+            with self.http.post(
+                f"{self.host}/v1/chat/completions",
+                json=body,
+                stream=True,
+                timeout=(10, REQUEST_TIMEOUT_S),
+            ) as resp:
                 if resp.status_code != 200:
                     m.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                     return m
@@ -325,9 +354,13 @@ class AgentGrpcUser(_Agent):
     def send(self, request: Request, messages: list[Message]) -> Measured:
         m = Measured()
         try:
-            for chunk in self.client.generate(render_prompt(messages), model=_run().model,
-                                              max_tokens=request.max_tokens, temperature=0,
-                                              ignore_eos=True):  # fmt: skip
+            for chunk in self.client.generate(
+                render_prompt(messages),
+                model=_run().model,
+                max_tokens=request.max_tokens,
+                temperature=0,
+                ignore_eos=True,
+            ):
                 if chunk.token_ids:
                     m.arrived()
                 m.completion_tokens += len(chunk.token_ids)

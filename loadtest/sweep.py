@@ -68,19 +68,32 @@ class ClusterConfig:
     args: tuple[str, ...]  # `ferry up` flags
 
 
-CONFIGS = {c.name: c for c in (
-    ClusterConfig("agg", "1 aggregated worker (prefill and decode in one engine)",
-                  ("--aggregated", "1")),
-    ClusterConfig("1p1d", "1 prefill + 1 decode worker", ("--prefill", "1", "--decode", "1")),
-    ClusterConfig("1p2d", "1 prefill + 2 decode workers", ("--prefill", "1", "--decode", "2")),
-    ClusterConfig("1p-dep2", "1 prefill worker + a 2-rank DEP decode group",
-                  ("--prefill", "1", "--decode", "0", "--decode-dep", "2")),
-    # prefix-aware routing against load-only routing, where there is a prefill choice to make
-    ClusterConfig("2p1d-kv", "2 prefill + 1 decode worker, kv_aware routing",
-                  ("--prefill", "2", "--decode", "1", "--routing-policy", "kv_aware")),
-    ClusterConfig("2p1d-ll", "2 prefill + 1 decode worker, least_loaded routing",
-                  ("--prefill", "2", "--decode", "1", "--routing-policy", "least_loaded")),
-)}  # fmt: skip
+CONFIGS = {
+    c.name: c
+    for c in (
+        ClusterConfig(
+            "agg", "1 aggregated worker (prefill and decode in one engine)", ("--aggregated", "1")
+        ),
+        ClusterConfig("1p1d", "1 prefill + 1 decode worker", ("--prefill", "1", "--decode", "1")),
+        ClusterConfig("1p2d", "1 prefill + 2 decode workers", ("--prefill", "1", "--decode", "2")),
+        ClusterConfig(
+            "1p-dep2",
+            "1 prefill worker + a 2-rank DEP decode group",
+            ("--prefill", "1", "--decode", "0", "--decode-dep", "2"),
+        ),
+        # prefix-aware routing against load-only routing, where there is a prefill choice to make
+        ClusterConfig(
+            "2p1d-kv",
+            "2 prefill + 1 decode worker, kv_aware routing",
+            ("--prefill", "2", "--decode", "1", "--routing-policy", "kv_aware"),
+        ),
+        ClusterConfig(
+            "2p1d-ll",
+            "2 prefill + 1 decode worker, least_loaded routing",
+            ("--prefill", "2", "--decode", "1", "--routing-policy", "least_loaded"),
+        ),
+    )
+}
 DEFAULT_CONFIGS = ("agg", "1p1d", "1p2d", "1p-dep2")
 
 
@@ -138,16 +151,37 @@ def ferry_up(config: ClusterConfig, model: str, work_dir: Path) -> Iterator[Runn
     """``ferry up`` with this configuration on free ports; its output goes to a log file."""
     http, grpc_port, sched = free_port(), free_port(), free_port()
     cluster = f"bench-{config.name}"
-    cmd = [sys.executable, "-m", "ferry.infra.cli", "up", *config.args, "--model", model,
-           "--port", str(http), "--grpc-port", str(grpc_port), "--scheduler-port", str(sched),
-           "--cluster", cluster]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.infra.cli",
+        "up",
+        *config.args,
+        "--model",
+        model,
+        "--port",
+        str(http),
+        "--grpc-port",
+        str(grpc_port),
+        "--scheduler-port",
+        str(sched),
+        "--cluster",
+        cluster,
+    ]
     log = work_dir / f"ferry-up-{config.name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         redis_url = _wait_ready(proc, log)
-        yield RunningCluster(config, proc, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}",
-                             redis_url, cluster, log)  # fmt: skip
+        yield RunningCluster(
+            config,
+            proc,
+            f"http://127.0.0.1:{http}",
+            f"127.0.0.1:{grpc_port}",
+            redis_url,
+            cluster,
+            log,
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -174,12 +208,19 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300
 
 def warm_up(cluster: RunningCluster, model: str, n: int) -> None:
     """``n`` short concurrent requests, so that no measured request pays a first call's costs."""
-    body = json.dumps({"model": model, "max_tokens": 16, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "warm up " * 64}]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "warm up " * 64}],
+        }
+    ).encode()
 
     def one() -> None:
-        req = urllib.request.Request(f"{cluster.http}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{cluster.http}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as reply:
             reply.read()
 
@@ -211,9 +252,15 @@ class KvSampler:
         try:
             while not self._stop.is_set():
                 views = await state.workers()
-                self.samples.append([1 - v.load.free_kv_blocks / v.load.total_kv_blocks
-                                     for v in views if v.record.role in WORKER_ROLES
-                                     and v.load is not None and v.load.total_kv_blocks])  # fmt: skip
+                self.samples.append(
+                    [
+                        1 - v.load.free_kv_blocks / v.load.total_kv_blocks
+                        for v in views
+                        if v.record.role in WORKER_ROLES
+                        and v.load is not None
+                        and v.load.total_kv_blocks
+                    ]
+                )
                 await asyncio.sleep(self.every_s)
         finally:
             await state.close()
@@ -228,8 +275,10 @@ class KvSampler:
 
     def stats(self) -> dict[str, float]:
         flat = [x for s in self.samples for x in s]
-        return {"kv_usage_mean": float(np.mean(flat)) if flat else 0.0,
-                "kv_usage_max": max(flat, default=0.0)}  # fmt: skip
+        return {
+            "kv_usage_mean": float(np.mean(flat)) if flat else 0.0,
+            "kv_usage_max": max(flat, default=0.0),
+        }
 
 
 def run_locust(
@@ -238,12 +287,40 @@ def run_locust(
     """Locust headless at this level; returns its per-request log (summary line last)."""
     c = level.concurrency
     prefix = work_dir / f"{cluster.config.name}-c{c}"
-    cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless",
-           "-u", str(c), "-r", str(c), "-t", f"{args.duration}s", "-s", "120",
-           "--host", cluster.http, "--only-summary", "--csv", str(prefix), "--loglevel", "WARNING",
-           "--agentx-trace", str(trace), "--agentx-sessions", f"{level.sessions[0]}:{level.sessions[1]}",
-           "--agentx-log", f"{prefix}.jsonl", "--agentx-grpc-host", cluster.grpc,
-           "--agentx-model", args.model, USER_CLASSES[args.api]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(HERE / "locustfile.py"),
+        "--headless",
+        "-u",
+        str(c),
+        "-r",
+        str(c),
+        "-t",
+        f"{args.duration}s",
+        "-s",
+        "120",
+        "--host",
+        cluster.http,
+        "--only-summary",
+        "--csv",
+        str(prefix),
+        "--loglevel",
+        "WARNING",
+        "--agentx-trace",
+        str(trace),
+        "--agentx-sessions",
+        f"{level.sessions[0]}:{level.sessions[1]}",
+        "--agentx-log",
+        f"{prefix}.jsonl",
+        "--agentx-grpc-host",
+        cluster.grpc,
+        "--agentx-model",
+        args.model,
+        USER_CLASSES[args.api],
+    ]
     with open(f"{prefix}.locust.log", "wb") as out:
         subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=HERE, check=False)
     return [json.loads(line) for line in Path(f"{prefix}.jsonl").read_text().splitlines()]
@@ -253,18 +330,25 @@ USER_CLASSES = {"chat": "AgentChatUser", "grpc": "AgentGrpcUser"}
 
 
 def measure_level(
-    cluster: RunningCluster, level: Level, trace: Path, args: argparse.Namespace, workers: int,
+    cluster: RunningCluster,
+    level: Level,
+    trace: Path,
+    args: argparse.Namespace,
+    workers: int,
     work_dir: Path,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     before = cluster.metrics()
     with KvSampler(cluster) as kv:
         log = run_locust(cluster, level, trace, args, work_dir)
     after = cluster.metrics()
     rows, tail = [r for r in log if "summary" not in r], [r for r in log if "summary" in r]
-    result = {"concurrency": level.concurrency, "sessions": list(level.sessions),
-              "load_average_1m_before": load_before,
-              **level_stats(rows, workers, args.ttft_slo, args.tpot_slo)}  # fmt: skip
+    result = {
+        "concurrency": level.concurrency,
+        "sessions": list(level.sessions),
+        "load_average_1m_before": load_before,
+        **level_stats(rows, workers, args.ttft_slo, args.tpot_slo),
+    }
     result["started"] = tail[0]["summary"]["started"] if tail else None
     result["unfinished"] = (result["started"] or 0) - len(rows)
     result["server"] = {**server_stats(before, after), **kv.stats()}
@@ -320,13 +404,20 @@ def server_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
     ttft_n = delta("ferry_time_to_first_token_seconds_count")
     out: dict[str, Any] = {
         "prefix_cache_hit_rate": delta("ferry_scheduler_cached_tokens_total") / prompt
-        if prompt else None,
+        if prompt
+        else None,
         "ttft_mean_s": delta("ferry_time_to_first_token_seconds_sum") / ttft_n if ttft_n else None,
-        "kv_transfer_bytes": sum(after[k] - before.get(k, 0.0) for k in after
-                                 if k.startswith("ferry_kv_transfer_bytes_total")),
-        "retries": sum(after[k] - before.get(k, 0.0) for k in after
-                       if k.startswith("ferry_scheduler_retries_total")),
-    }  # fmt: skip
+        "kv_transfer_bytes": sum(
+            after[k] - before.get(k, 0.0)
+            for k in after
+            if k.startswith("ferry_kv_transfer_bytes_total")
+        ),
+        "retries": sum(
+            after[k] - before.get(k, 0.0)
+            for k in after
+            if k.startswith("ferry_scheduler_retries_total")
+        ),
+    }
     balance = {k: v for k, v in after.items() if "balancedness" in k}
     if balance:  # present when a service exports it (the EPLB controller, DEP groups)
         out["expert_balancedness"] = balance
@@ -348,17 +439,30 @@ def machine_info(note: str) -> dict[str, Any]:
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     kib = next((int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemTotal")), 0)
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
-                  if ln.startswith("model name")), platform.processor())  # fmt: skip
-    return {"cpus": os.cpu_count(), "memory_gib": round(kib / 2**20, 1), "cpu_model": model,
-            "gpu": None, "python": platform.python_version(), "torch": metadata.version("torch"),
-            "load_average_1m_at_start": os.getloadavg()[0], "note": note}  # fmt: skip
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(kib / 2**20, 1),
+        "cpu_model": model,
+        "gpu": None,
+        "python": platform.python_version(),
+        "torch": metadata.version("torch"),
+        "load_average_1m_at_start": os.getloadavg()[0],
+        "note": note,
+    }
 
 
 def sweep_config(
-    config: ClusterConfig, levels: list[Level], trace: Path, args: argparse.Namespace,
-    common: dict[str, Any], work_dir: Path,
-) -> dict[str, Any]:  # fmt: skip
+    config: ClusterConfig,
+    levels: list[Level],
+    trace: Path,
+    args: argparse.Namespace,
+    common: dict[str, Any],
+    work_dir: Path,
+) -> dict[str, Any]:
     with ferry_up(config, args.model, work_dir) as cluster:
         workers = cluster.worker_processes()
         warm_up(cluster, args.model, max(2, workers))
@@ -367,18 +471,25 @@ def sweep_config(
             row = measure_level(cluster, level, trace, args, workers, work_dir)
             print(f"{config.name} c={level.concurrency}: {_brief(row)}", flush=True)
             results.append(row)
-    return {"config": config.name, "description": config.description,
-            "ferry_up_args": list(config.args), "worker_processes": workers, **common,
-            "levels": results}  # fmt: skip
+    return {
+        "config": config.name,
+        "description": config.description,
+        "ferry_up_args": list(config.args),
+        "worker_processes": workers,
+        **common,
+        "levels": results,
+    }
 
 
 def _brief(row: dict[str, Any]) -> str:
     if "ttft_s" not in row:
         return f"{row['requests']} requests, all failed"
-    return (f"{row['requests']} requests ({row['failed']} failed), "
-            f"{row['output_tokens_per_s']:.0f} tok/s, {row['tokens_per_s_per_user']:.1f} tok/s/user, "
-            f"TTFT p50 {row['ttft_s']['p50']:.2f}s p99 {row['ttft_s']['p99']:.2f}s, "
-            f"goodput {row['goodput']:.0%}")  # fmt: skip
+    return (
+        f"{row['requests']} requests ({row['failed']} failed), "
+        f"{row['output_tokens_per_s']:.0f} tok/s, {row['tokens_per_s_per_user']:.1f} tok/s/user, "
+        f"TTFT p50 {row['ttft_s']['p50']:.2f}s p99 {row['ttft_s']['p99']:.2f}s, "
+        f"goodput {row['goodput']:.0%}"
+    )
 
 
 TABLE_HEADER = (
@@ -394,24 +505,32 @@ def table(results: list[dict[str, Any]]) -> str:
     for res in results:
         for row in res["levels"]:
             if "ttft_s" not in row:
-                lines.append(f"| {res['config']} | {res['worker_processes']} | "
-                             f"{row['concurrency']} | {row['requests']} | all failed |")  # fmt: skip
+                lines.append(
+                    f"| {res['config']} | {res['worker_processes']} | "
+                    f"{row['concurrency']} | {row['requests']} | all failed |"
+                )
                 continue
             server = row.get("server", {})
             balance = list((server.get("expert_balancedness") or {}).values())
             cells = [
-                res["config"], res["worker_processes"], row["concurrency"], row["requests"],
-                row["failed"], row.get("unfinished", "-"), f"{row['output_tokens_per_s']:.0f}",
+                res["config"],
+                res["worker_processes"],
+                row["concurrency"],
+                row["requests"],
+                row["failed"],
+                row.get("unfinished", "-"),
+                f"{row['output_tokens_per_s']:.0f}",
                 f"{row['output_tokens_per_s_per_worker']:.0f}",
                 f"{row['tokens_per_s_per_user']:.0f}",
                 f"{row['ttft_s']['p50']:.2f} / {row['ttft_s']['p99']:.2f}",
-                f"{row['tpot_s']['p50'] * 1e3:.0f}", f"{row['e2e_s']['p50']:.2f}",
+                f"{row['tpot_s']['p50'] * 1e3:.0f}",
+                f"{row['e2e_s']['p50']:.2f}",
                 f"{row['goodput']:.0%}",
                 f"{row['prefix_cache_hit_rate']:.0%} / "
                 f"{server.get('prefix_cache_hit_rate', float('nan')):.0%}",
                 f"{server.get('kv_usage_max', float('nan')):.1%}",
                 f"{min(balance):.2f}" if balance else "-",
-            ]  # fmt: skip
+            ]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -432,10 +551,17 @@ def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         y = [lv["output_tokens_per_s_per_worker"] for lv in pts]
         (line,) = ax.plot(x, y, "o-", label=f"{res['config']}: {res['description']}")
         for lv, xi, yi in zip(pts, x, y, strict=True):
-            ax.annotate(f"{lv['concurrency']}", (xi, yi), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8, color=line.get_color())  # fmt: skip
-    ax.set(xlabel="tokens/s per user (1 / median TPOT)",
-           ylabel="output tokens/s per worker process")  # fmt: skip
+            ax.annotate(
+                f"{lv['concurrency']}",
+                (xi, yi),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+                color=line.get_color(),
+            )
+    ax.set(
+        xlabel="tokens/s per user (1 / median TPOT)", ylabel="output tokens/s per worker process"
+    )
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -450,8 +576,13 @@ def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         (line,) = ax.plot(
             cs, [lv["ttft_s"]["p50"] for lv in pts], "o-", label=f"{res['config']} p50"
         )
-        ax.plot(cs, [lv["ttft_s"]["p99"] for lv in pts], "s--", color=line.get_color(),
-                label=f"{res['config']} p99")  # fmt: skip
+        ax.plot(
+            cs,
+            [lv["ttft_s"]["p99"] for lv in pts],
+            "s--",
+            color=line.get_color(),
+            label=f"{res['config']} p99",
+        )
     ax.set_xscale("log", base=2)
     levels = sorted({lv["concurrency"] for res in results for lv in res["levels"]})
     ax.set_xticks(levels, [str(c) for c in levels])
@@ -469,8 +600,10 @@ def _plot_title(res: dict[str, Any]) -> str:
     """Two lines: what ran, and where (the machine note wrapped)."""
     m = res["machine"]
     where = f"{m['cpus']} CPUs" + (f"; {m['note']}" if m.get("note") else "")
-    what = (f"AgentX-like sessions, {res['model']['preset']} model, "
-            f"{res['duration_s']:.0f} s per concurrency")  # fmt: skip
+    what = (
+        f"AgentX-like sessions, {res['model']['preset']} model, "
+        f"{res['duration_s']:.0f} s per concurrency"
+    )
     return what + "\n" + textwrap.shorten(where, 90)
 
 
@@ -481,8 +614,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=int, default=30, help="seconds per level")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT at most (s)")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="goodput: TPOT at most (s)")
-    p.add_argument("--api", default="chat", choices=sorted(USER_CLASSES),
-                   help="chat: OpenAI REST streaming; grpc: the Python SDK")  # fmt: skip
+    p.add_argument(
+        "--api",
+        default="chat",
+        choices=sorted(USER_CLASSES),
+        help="chat: OpenAI REST streaming; grpc: the Python SDK",
+    )
     p.add_argument("--model", default="tiny", help="preset or checkpoint (`ferry up --model`)")
     p.add_argument("--max-context", type=int, default=4096, help="the model's max_model_len")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -490,8 +627,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="", help="keep traces, Locust CSVs, logs here")
     p.add_argument("--note", default="", help="recorded with the machine (e.g. 'shared host')")
     p.add_argument("--plot-only", action="store_true", help="redraw from --out-dir's JSON")
-    p.add_argument("--table", action="store_true",
-                   help="print --out-dir's JSON as the markdown table of loadtest/README.md")  # fmt: skip
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print --out-dir's JSON as the markdown table of loadtest/README.md",
+    )
     args = p.parse_args(argv)
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
@@ -506,8 +646,11 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out_dir)
     names = args.configs.split(",")
     if args.plot_only or args.table:
-        results = [json.loads((out_dir / f"serve-{n}.json").read_text()) for n in names
-                   if (out_dir / f"serve-{n}.json").exists()]  # fmt: skip
+        results = [
+            json.loads((out_dir / f"serve-{n}.json").read_text())
+            for n in names
+            if (out_dir / f"serve-{n}.json").exists()
+        ]
         print(
             table(results) if args.table else " ".join(["wrote", *map(str, plot(results, out_dir))])
         )
@@ -524,13 +667,18 @@ def main(argv: list[str] | None = None) -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine_info(args.note),
         "model": {"preset": args.model, "max_model_len": args.max_context},
-        "workload": {"generator": "loadtest/agentx.py", "config": workload.to_dict(),
-                     "shape": summary(sessions), "api": args.api,
-                     "trace_sha256": hashlib.sha256(trace.read_bytes()).hexdigest(),
-                     "greedy": True, "ignore_eos": True},
+        "workload": {
+            "generator": "loadtest/agentx.py",
+            "config": workload.to_dict(),
+            "shape": summary(sessions),
+            "api": args.api,
+            "trace_sha256": hashlib.sha256(trace.read_bytes()).hexdigest(),
+            "greedy": True,
+            "ignore_eos": True,
+        },
         "duration_s": args.duration,
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
-    }  # fmt: skip
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for name in names:

@@ -35,10 +35,25 @@ PROBE_TIMEOUT_S = 5.0
 def exporter() -> tuple[subprocess.Popen[str], list[Any]]:
     from ferry.services.kv_transfer import KvHandle
 
-    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--transport", "ucx",
-           "--layers", str(LAYERS), "--blocks", str(BLOCKS), "--block-size", str(BS),
-           "--dim", str(DIM), "--sizes", ",".join(["256"] * 200), "--contiguous",
-           "--reuse-blocks"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.kv_transfer.synthetic_exporter",
+        "--transport",
+        "ucx",
+        "--layers",
+        str(LAYERS),
+        "--blocks",
+        str(BLOCKS),
+        "--block-size",
+        str(BS),
+        "--dim",
+        str(DIM),
+        "--sizes",
+        ",".join(["256"] * 200),
+        "--contiguous",
+        "--reuse-blocks",
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
@@ -65,8 +80,12 @@ def trial(max_kills: int, one_loop: bool) -> dict[str, Any]:
         except TransferError as e:  # a fresh exporter: only this process can be at fault
             started = time.monotonic()
             problem = await imp.transport.probe(PROBE_TIMEOUT_S)
-            report.update(wedged=True, pull_error=e.reason, probe_when_wedged=problem,
-                          probe_when_wedged_s=round(time.monotonic() - started, 3))  # fmt: skip
+            report.update(
+                wedged=True,
+                pull_error=e.reason,
+                probe_when_wedged=problem,
+                probe_when_wedged_s=round(time.monotonic() - started, 3),
+            )
             return True
         started = time.monotonic()
         if await imp.transport.probe(PROBE_TIMEOUT_S):
@@ -116,9 +135,12 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--max-kills", type=int, default=12)
     parser.add_argument("--out", default="loadtest/results/ucx_wedge.json")
-    parser.add_argument("--services-mode", action="store_true",
-                        help="ucxx as workers run it: progress thread with futures, one event "
-                        "loop for every kill (it wedges far less often)")  # fmt: skip
+    parser.add_argument(
+        "--services-mode",
+        action="store_true",
+        help="ucxx as workers run it: progress thread with futures, one event "
+        "loop for every kill (it wedges far less often)",
+    )
     parser.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trial:  # the child: one trial, its report on the last line
@@ -133,8 +155,11 @@ def main() -> None:
         cmd += ["--services-mode"] if args.services_mode else []
         child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("REPORT ")]
-        report: dict[str, Any] = json.loads(lines[-1].removeprefix("REPORT ")) if lines else {
-            "error": f"exit {child.returncode}", "stderr": child.stderr[-2000:]}  # fmt: skip
+        report: dict[str, Any] = (
+            json.loads(lines[-1].removeprefix("REPORT "))
+            if lines
+            else {"error": f"exit {child.returncode}", "stderr": child.stderr[-2000:]}
+        )
         print(f"trial {i}: {report}", flush=True)
         trials.append(report)
     wedged = [t for t in trials if t.get("wedged")]

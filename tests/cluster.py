@@ -146,9 +146,23 @@ def ferry_up(
 ) -> Iterator[Cluster]:
     """`ferry up` against ``redis_url`` ("": its own private redis-server)."""
     port, http, public = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "ferry.infra.cli", "up", "--redis-url", redis_url,
-           "--scheduler-port", str(port), "--port", str(http), "--grpc-port", str(public),
-           "--cluster", cluster, *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.infra.cli",
+        "up",
+        "--redis-url",
+        redis_url,
+        "--scheduler-port",
+        str(port),
+        "--port",
+        str(http),
+        "--grpc-port",
+        str(public),
+        "--cluster",
+        cluster,
+        *args,
+    ]
     # an O_APPEND file, read by path: the children share its offset, so the test must not move it
     fd, name = tempfile.mkstemp(prefix="ferry-up-", suffix=".log")
     os.close(fd)
@@ -217,8 +231,12 @@ async def generate(
     """One Generate call to completion or error (never raises an RPC error)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        req = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt),
-                                            sampling_params=params, resumed=resumed)  # fmt: skip
+        req = scheduler_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            resumed=resumed,
+        )
         res = Result([], 0, "")
         try:
             async for chunk in stub.Generate(req, timeout=timeout):

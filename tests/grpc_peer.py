@@ -36,7 +36,8 @@ async def serve(port: int) -> grpc.aio.Server:
 
 def serve_in_process(port: int) -> subprocess.Popen[str]:
     """``serve`` in a child process; returns once it serves."""
-    proc = subprocess.Popen([sys.executable, "-c", _PROCESS, str(port)], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PROCESS, str(port)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
     return proc

@@ -134,9 +134,14 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
         for ids in prompts:
             # an explicit mask: without one, generate masks every token equal to pad_token_id
             seq = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             outs.append(seq[0, len(ids) :].tolist())
     return outs
 
@@ -144,6 +149,9 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
 def make_request(rid: str, tokens: list[int], params: SamplingParams | None = None) -> Request:
     """A bare engine Request, for tests of the block pool and the sampler."""
     return Request(
-        request_id=rid, prompt_token_ids=tokens, params=params or SamplingParams(),
-        max_total_tokens=10_000, detokenizer=ByteTokenizer().detokenizer(),
-    )  # fmt: skip
+        request_id=rid,
+        prompt_token_ids=tokens,
+        params=params or SamplingParams(),
+        max_total_tokens=10_000,
+        detokenizer=ByteTokenizer().detokenizer(),
+    )

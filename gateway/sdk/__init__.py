@@ -12,6 +12,18 @@ from ferry.gateway.sdk.errors import (
 )
 from ferry.gateway.sdk.types import Chunk, Completion, Model, Usage
 
-__all__ = ["AsyncFerryClient", "AuthenticationError", "Chunk", "Completion", "FerryClient",
-           "FerryError", "InvalidRequestError", "Model", "NotFoundError", "RateLimitError",
-           "TimeoutError", "UnavailableError", "Usage"]  # fmt: skip
+__all__ = [
+    "AsyncFerryClient",
+    "AuthenticationError",
+    "Chunk",
+    "Completion",
+    "FerryClient",
+    "FerryError",
+    "InvalidRequestError",
+    "Model",
+    "NotFoundError",
+    "RateLimitError",
+    "TimeoutError",
+    "UnavailableError",
+    "Usage",
+]

@@ -26,10 +26,26 @@ from ferry.gateway.sdk.errors import from_rpc_error
 from ferry.gateway.sdk.types import Chunk, Completion, Model, Usage
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-             "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs",
-             "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-             "include_stop_str_in_output", "priority", "structured_output")  # fmt: skip
+_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "priority",
+    "structured_output",
+)
 
 
 def _request(
@@ -53,10 +69,14 @@ def _chunk(msg: common_pb2.TokenChunk) -> Chunk:
     if msg.finish_reason:
         u = msg.usage
         usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-    return Chunk(text=msg.text, token_ids=list(msg.token_ids),
-                 logprobs=[_entries(lp) for lp in msg.logprobs],
-                 finish_reason=msg.finish_reason or None, usage=usage,
-                 prompt_logprobs=[_entries(lp) for lp in msg.prompt_logprobs])  # fmt: skip
+    return Chunk(
+        text=msg.text,
+        token_ids=list(msg.token_ids),
+        logprobs=[_entries(lp) for lp in msg.logprobs],
+        finish_reason=msg.finish_reason or None,
+        usage=usage,
+        prompt_logprobs=[_entries(lp) for lp in msg.prompt_logprobs],
+    )
 
 
 def _entries(lp: common_pb2.TokenLogprobs) -> dict[int, float]:
@@ -66,19 +86,27 @@ def _entries(lp: common_pb2.TokenLogprobs) -> dict[int, float]:
 def _completion(chunks: Sequence[Chunk]) -> Completion:
     last = chunks[-1]
     assert last.usage is not None and last.finish_reason is not None
-    return Completion(text="".join(c.text for c in chunks),
-                      token_ids=[t for c in chunks for t in c.token_ids],
-                      finish_reason=last.finish_reason, usage=last.usage,
-                      logprobs=[lp for c in chunks for lp in c.logprobs],
-                      prompt_logprobs=[lp for c in chunks for lp in c.prompt_logprobs])  # fmt: skip
+    return Completion(
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=last.finish_reason,
+        usage=last.usage,
+        logprobs=[lp for c in chunks for lp in c.logprobs],
+        prompt_logprobs=[lp for c in chunks for lp in c.prompt_logprobs],
+    )
 
 
 class _Base:
     def __init__(
-        self, address: str = "127.0.0.1:50051", *, api_key: str | None = None,
-        model: str = "", timeout: float = 300.0, max_retries: int = 2,
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        api_key: str | None = None,
+        model: str = "",
+        timeout: float = 300.0,
+        max_retries: int = 2,
         retry_backoff: float = 0.2,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``model``: the default model (default: the one the server serves); ``timeout``: per
         call, in seconds; ``max_retries``: extra tries of a call that got UNAVAILABLE before
         any token."""
@@ -103,9 +131,14 @@ class FerryClient(_Base):
         self._stub = ferry_pb2_grpc.FerryStub(self._channel)
 
     def generate(
-        self, prompt: str | Sequence[int], *, model: str | None = None,
-        stop: str | Sequence[str] | None = None, stream: bool = True, **sampling: Any,
-    ) -> Iterator[Chunk]:  # fmt: skip
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = True,
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
         """Stream chunks as they are generated. ``sampling``: max_tokens, temperature, top_p,
         top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs,
         prompt_logprobs (n: each prompt token's logprob after the first, plus the top n, on the
@@ -120,20 +153,26 @@ class FerryClient(_Base):
         if stream:
             return chunks
         c = _completion(list(chunks))
-        return iter([Chunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.usage,
-                           c.prompt_logprobs)])  # fmt: skip
+        return iter(
+            [Chunk(c.text, c.token_ids, c.logprobs, c.finish_reason, c.usage, c.prompt_logprobs)]
+        )
 
     def complete(
-        self, prompt: str | Sequence[int], *, model: str | None = None,
-        stop: str | Sequence[str] | None = None, **sampling: Any,
-    ) -> Completion:  # fmt: skip
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        **sampling: Any,
+    ) -> Completion:
         """Generate to the end; same parameters as :meth:`generate`."""
         return _completion(list(self.generate(prompt, model=model, stop=stop, **sampling)))
 
     def models(self) -> list[Model]:
         try:
-            reply = self._stub.ListModels(ferry_pb2.ListModelsRequest(), timeout=self.timeout,
-                                          metadata=self._metadata)  # fmt: skip
+            reply = self._stub.ListModels(
+                ferry_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return [Model(m.id, m.owned_by) for m in reply.models]
@@ -163,9 +202,11 @@ class FerryClient(_Base):
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.close()
 
 
@@ -178,9 +219,13 @@ class AsyncFerryClient(_Base):
         self._stub = ferry_pb2_grpc.FerryStub(self._channel)
 
     async def generate(
-        self, prompt: str | Sequence[int], *, model: str | None = None,
-        stop: str | Sequence[str] | None = None, **sampling: Any,
-    ) -> AsyncIterator[Chunk]:  # fmt: skip
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Chunk]:
         """Stream chunks as they are generated (see :meth:`FerryClient.generate`)."""
         req = _request(prompt, model if model is not None else self.model, stop, sampling)
         attempt = 0
@@ -201,16 +246,21 @@ class AsyncFerryClient(_Base):
             attempt += 1
 
     async def complete(
-        self, prompt: str | Sequence[int], *, model: str | None = None,
-        stop: str | Sequence[str] | None = None, **sampling: Any,
-    ) -> Completion:  # fmt: skip
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        **sampling: Any,
+    ) -> Completion:
         chunks = [c async for c in self.generate(prompt, model=model, stop=stop, **sampling)]
         return _completion(chunks)
 
     async def models(self) -> list[Model]:
         try:
-            reply = await self._stub.ListModels(ferry_pb2.ListModelsRequest(),
-                                                timeout=self.timeout, metadata=self._metadata)  # fmt: skip
+            reply = await self._stub.ListModels(
+                ferry_pb2.ListModelsRequest(), timeout=self.timeout, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
         return [Model(m.id, m.owned_by) for m in reply.models]
@@ -222,7 +272,9 @@ class AsyncFerryClient(_Base):
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         await self.close()

@@ -65,9 +65,16 @@ def _count_kernel(
 
 @triton.jit
 def _offsets_kernel(
-    counts_ptr, slot_start_ptr, block_slot_ptr, num_chunks, num_slots, max_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
+    counts_ptr,
+    slot_start_ptr,
+    block_slot_ptr,
+    num_chunks,
+    num_slots,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """One program. Turns counts[p, s] into the number of slot-s choices in chunks before p (in
     place), writes slot_start[s] (first sorted row of slot s, runs padded to BLOCK_M) and
     block_slot[b] (the slot of sorted row block b, -1 past the last block)."""
@@ -116,10 +123,24 @@ def _scatter_kernel(
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_ptr, block_slot_ptr,
-    num_choices, hidden, inter, x_stride, w_stride_s, w_stride_n, w_stride_k, act_stride,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_ptr,
+    block_slot_ptr,
+    num_choices,
+    hidden,
+    inter,
+    x_stride,
+    w_stride_s,
+    w_stride_n,
+    w_stride_k,
+    act_stride,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """act[c, n] = silu(x[t]·gate[s, n]) * (x[t]·up[s, n]) for the BLOCK_M sorted choices
     c = t * TOP_K + k of row block pid(0), all on slot s, and BLOCK_N columns n.
     x: [tokens, hidden]; w13: [slots, 2 * inter, hidden] (gate rows, then up rows);
@@ -160,10 +181,24 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w2_ptr, weights_ptr, y_ptr, sorted_ptr, block_slot_ptr,
-    num_choices, hidden, inter, act_stride, w_stride_s, w_stride_n, w_stride_k, y_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    w2_ptr,
+    weights_ptr,
+    y_ptr,
+    sorted_ptr,
+    block_slot_ptr,
+    num_choices,
+    hidden,
+    inter,
+    act_stride,
+    w_stride_s,
+    w_stride_n,
+    w_stride_k,
+    y_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """y[c, n] = weights[c] * (act[c]·w2[s, n]) for the sorted choices c of row block pid(0).
     act: [num_choices, inter]; w2: [slots, hidden, inter]; weights: [num_choices] float32;
     y: [num_choices, hidden]."""
@@ -199,9 +234,15 @@ def _down_kernel(
 
 @triton.jit
 def _sum_choices_kernel(
-    y_ptr, slots_ptr, out_ptr, hidden, y_stride, out_stride,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    slots_ptr,
+    out_ptr,
+    hidden,
+    y_stride,
+    out_stride,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """out[t, cols] = sum over k (in order) of y[t * TOP_K + k, cols], skipping slot -1.
     y: [tokens * TOP_K, hidden]; slots: [tokens * TOP_K]; out: [tokens, hidden]."""
     t = tl.program_id(0).to(tl.int64)
@@ -240,9 +281,16 @@ def sort_by_slot(slots: torch.Tensor, num_slots: int, blocks: MoEBlocks) -> Sort
     sorted_ids = torch.full((max_blocks * blocks.block_m,), n, dtype=torch.int32, device=dev)
     _count_kernel[(num_chunks,)](slots, counts, n, num_slots, CHUNK=blocks.chunk, BLOCK_S=block_s)
     _offsets_kernel[(1,)](
-        counts, slot_start, block_slot, num_chunks, num_slots, max_blocks,
-        BLOCK_M=blocks.block_m, BLOCK_S=block_s, BLOCK_B=64,
-    )  # fmt: skip
+        counts,
+        slot_start,
+        block_slot,
+        num_chunks,
+        num_slots,
+        max_blocks,
+        BLOCK_M=blocks.block_m,
+        BLOCK_S=block_s,
+        BLOCK_B=64,
+    )
     _scatter_kernel[(num_chunks,)](
         slots, counts, slot_start, sorted_ids, n, num_slots, CHUNK=blocks.chunk
     )
@@ -285,27 +333,56 @@ def _gate_up(
     act = empty((num_choices, inter), x.dtype, x.device)
     grid = (order.block_slot.numel(), triton.cdiv(inter, blocks.block_n))
     _gate_up_kernel[grid](
-        x, w13, act, order.sorted_ids, order.block_slot,
-        num_choices, hidden, inter, x.stride(0), *w13.stride(), act.stride(0),
-        TOP_K=top_k, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )  # fmt: skip
+        x,
+        w13,
+        act,
+        order.sorted_ids,
+        order.block_slot,
+        num_choices,
+        hidden,
+        inter,
+        x.stride(0),
+        *w13.stride(),
+        act.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
     return act
 
 
 def _down(
-    act: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, order: SortedChoices,
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    order: SortedChoices,
     blocks: MoEBlocks,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     (num_choices, inter), hidden = act.shape, w2.shape[1]
     y = empty((num_choices, hidden), act.dtype, act.device)
     grid = (order.block_slot.numel(), triton.cdiv(hidden, blocks.block_n))
     _down_kernel[grid](
-        act, w2, weights, y, order.sorted_ids, order.block_slot,
-        num_choices, hidden, inter, act.stride(0), *w2.stride(), y.stride(0),
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )  # fmt: skip
+        act,
+        w2,
+        weights,
+        y,
+        order.sorted_ids,
+        order.block_slot,
+        num_choices,
+        hidden,
+        inter,
+        act.stride(0),
+        *w2.stride(),
+        y.stride(0),
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_K=blocks.block_k,
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
     return y
 
 

@@ -38,12 +38,29 @@ class DecodeBlocks:
 
 @triton.jit
 def _split_kernel(
-    q_ptr, kv_ptr, tables_ptr, lens_ptr, m_ptr, denom_ptr, acc_ptr,
-    num_heads, kv_lora_rank, rope_dim, block_size, scale_log2,
-    q_stride_b, q_stride_h, kv_stride_block, kv_stride_token, table_stride,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    lens_ptr,
+    m_ptr,
+    denom_ptr,
+    acc_ptr,
+    num_heads,
+    kv_lora_rank,
+    rope_dim,
+    block_size,
+    scale_log2,
+    q_stride_b,
+    q_stride_h,
+    kv_stride_block,
+    kv_stride_token,
+    table_stride,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """Heads block pid(0) of request pid(1) over split pid(2) of its context.
 
     q: [batch, heads, rank + rope]; kv: [num_blocks, block_size, rank + rope];
@@ -193,15 +210,42 @@ def mla_decode_triton(
     acc = empty((batch, num_heads, splits, kv_lora_rank), torch.float32, q.device)
     block_r = next_pow2(kv_lora_rank, at_least=16)
     _split_kernel[(head_blocks, batch, splits)](
-        q, kv_cache, block_tables, seq_lens, m, denom, acc,
-        num_heads, kv_lora_rank, rope_dim, block_size, softmax_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        NUM_SPLITS=splits, BLOCK_H=block_h, BLOCK_N=blocks.block_n, BLOCK_R=block_r,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        m,
+        denom,
+        acc,
+        num_heads,
+        kv_lora_rank,
+        rope_dim,
+        block_size,
+        softmax_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_tables.stride(0),
+        NUM_SPLITS=splits,
+        BLOCK_H=block_h,
+        BLOCK_N=blocks.block_n,
+        BLOCK_R=block_r,
         BLOCK_P=next_pow2(rope_dim, at_least=16),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )  # fmt: skip
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
     _merge_kernel[(num_heads, batch)](
-        m, denom, acc, out, num_heads, kv_lora_rank, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, BLOCK_S=next_pow2(splits), BLOCK_R=block_r,
-    )  # fmt: skip
+        m,
+        denom,
+        acc,
+        out,
+        num_heads,
+        kv_lora_rank,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=splits,
+        BLOCK_S=next_pow2(splits),
+        BLOCK_R=block_r,
+    )
     return out

@@ -27,11 +27,28 @@ class PrefillBlocks:
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, q_len, ctx_len, qk_dim, v_dim, scale_log2,
-    q_stride_h, q_stride_t, k_stride_h, k_stride_t, v_stride_h, v_stride_t,
-    out_stride_t, out_stride_h,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    q_len,
+    ctx_len,
+    qk_dim,
+    v_dim,
+    scale_log2,
+    q_stride_h,
+    q_stride_t,
+    k_stride_h,
+    k_stride_t,
+    v_stride_h,
+    v_stride_t,
+    out_stride_t,
+    out_stride_h,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """Queries block pid(0) of head pid(1), as prefill_attention_torch computes it.
 
     q: [heads, q_len, qk_dim]; k: [heads, ctx_len, qk_dim]; v: [heads, ctx_len, v_dim] (any
@@ -108,11 +125,28 @@ def prefill_attention_triton(
     if q_len == 0:
         return out
     _prefill_kernel[(triton.cdiv(q_len, blocks.block_m), heads)](
-        q, k, v, out, q_len, ctx_len, qk_dim, v_dim, softmax_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, BLOCK_D=next_pow2(qk_dim, at_least=16),
+        q,
+        k,
+        v,
+        out,
+        q_len,
+        ctx_len,
+        qk_dim,
+        v_dim,
+        softmax_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=blocks.block_m,
+        BLOCK_N=blocks.block_n,
+        BLOCK_D=next_pow2(qk_dim, at_least=16),
         BLOCK_DV=next_pow2(v_dim, at_least=16),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )  # fmt: skip
+        num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
+    )
     return out

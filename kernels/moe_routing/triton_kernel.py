@@ -14,9 +14,13 @@ BLOCK_T = 16  # tokens per program
 
 @triton.jit
 def _keep_top_groups(
-    choice, experts, group_size,
-    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-):  # fmt: skip
+    choice,
+    experts,
+    group_size,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     """choice: [BLOCK_T, BLOCK_E] biased scores (-inf where no expert). Groups are ranked by the
     sum of their two best scores; experts outside the TOPK_GROUP best groups become -inf."""
     groups = tl.arange(0, BLOCK_G)
@@ -38,12 +42,24 @@ def _keep_top_groups(
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    num_tokens, num_experts, logits_stride, routed_scaling_factor,
-    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    logits_stride,
+    routed_scaling_factor,
+    HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Route BLOCK_T tokens as :func:`kernels.moe_routing.reference.moe_route_torch` does.
 
     logits: [num_tokens, num_experts] float32; bias: [num_experts] float32 (if HAS_BIAS).
@@ -109,12 +125,24 @@ def moe_route_triton(
         return weights, ids
     bias = correction_bias.contiguous() if correction_bias is not None else logits
     _moe_route_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
-        logits, bias, weights, ids,
-        num_tokens, num_experts, logits.stride(0), routed_scaling_factor,
-        HAS_BIAS=correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=BLOCK_T, BLOCK_E=next_pow2(num_experts),
-        BLOCK_G=next_pow2(n_group), BLOCK_K=next_pow2(top_k),
-    )  # fmt: skip
+        logits,
+        bias,
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        logits.stride(0),
+        routed_scaling_factor,
+        HAS_BIAS=correction_bias is not None,
+        N_GROUP=n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_T=BLOCK_T,
+        BLOCK_E=next_pow2(num_experts),
+        BLOCK_G=next_pow2(n_group),
+        BLOCK_K=next_pow2(top_k),
+    )
     return weights, ids
 
 

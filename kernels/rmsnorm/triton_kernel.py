@@ -12,10 +12,20 @@ from ferry.kernels.triton_common import empty, next_pow2, to_dtype
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    n_cols, x_stride, res_stride, out_stride, sum_stride, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n_cols,
+    x_stride,
+    res_stride,
+    out_stride,
+    sum_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One row per program, as :func:`kernels.rmsnorm.reference.rms_norm_torch` computes it.
 
     x, res, sum: [rows, n_cols] (row strides given, columns contiguous); w: [n_cols];
@@ -58,11 +68,21 @@ def _launch(
         block = next_pow2(hidden)
         sum_arg = summed if summed is not None else out
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight.contiguous(), out, sum_arg,
-            hidden, x2.stride(0), res2.stride(0), out.stride(0), sum_arg.stride(0), eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x2,
+            res2,
+            weight.contiguous(),
+            out,
+            sum_arg,
+            hidden,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            sum_arg.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(max(block // 512, 1), 16),
-        )  # fmt: skip
+        )
     shape = x.shape
     return out.view(shape), (summed.view(shape) if summed is not None else None)
 

@@ -46,8 +46,7 @@ class KvEvents:
 
     def encode(self) -> dict[str, str]:
         events = " ".join(f"{'+' if stored else '-'}{h:x}" for stored, h in self.events)
-        return {"worker": self.worker_id, "cleared": "1" if self.cleared else "0",
-                "events": events}  # fmt: skip
+        return {"worker": self.worker_id, "cleared": "1" if self.cleared else "0", "events": events}
 
     @classmethod
     def decode(cls, fields: dict[str, str]) -> KvEvents:
@@ -140,15 +139,19 @@ def _decode(cls: type[T], raw: dict[str, str]) -> T:
 
 class ClusterState:
     def __init__(
-        self, redis_url: str, cluster: str = "default", heartbeat_s: float = 1.0,
+        self,
+        redis_url: str,
+        cluster: str = "default",
+        heartbeat_s: float = 1.0,
         ttl_s: float = 3.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.url = parse_redis_url(redis_url)
         self.cluster = cluster
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
-        self.redis = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=1.0,
-                                       socket_connect_timeout=1.0)  # fmt: skip
+        self.redis = aioredis.from_url(
+            redis_url, decode_responses=True, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
         self._record: WorkerRecord | None = None
         self._load: Callable[[], LoadReport] | None = None
         self._beat: asyncio.Task[None] | None = None
@@ -290,8 +293,9 @@ class ClusterState:
     ) -> None:
         """The placement a group runs (``eplb:{group}:placement``), for operators and tools (the
         ranks themselves are the truth: the controller asks them)."""
-        value = json.dumps({"version": version, "slot_to_logical": slot_to_logical,
-                            "updated_at": time.time()})  # fmt: skip
+        value = json.dumps(
+            {"version": version, "slot_to_logical": slot_to_logical, "updated_at": time.time()}
+        )
         await self._run(self.redis.set(self.key("eplb", group, "placement"), value))
 
     async def placement(self, group: str) -> dict[str, Any] | None:
@@ -305,8 +309,14 @@ class ClusterState:
         await self._run(self.redis.delete(*keys))
 
     async def publish_kv_events(self, batch: KvEvents) -> None:
-        await self._run(self.redis.xadd(self.key("kv-events"), batch.encode(),  # type: ignore[arg-type]
-                                        maxlen=KV_EVENTS_MAXLEN, approximate=True))  # fmt: skip
+        await self._run(
+            self.redis.xadd(
+                self.key("kv-events"),
+                batch.encode(),  # type: ignore[arg-type]
+                maxlen=KV_EVENTS_MAXLEN,
+                approximate=True,
+            )
+        )
 
     async def read_kv_events(
         self, after: str, block_ms: int = 500, count: int = 1000

@@ -14,8 +14,14 @@ from ferry.services.engine.request import RequestOutput, Resumed
 from ferry.services.engine.sampling_params import SamplingParams, StructuredOutput
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")  # fmt: skip
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 _INT_FIELDS = ("top_k", "seed", "logprobs", "prompt_logprobs", "max_tokens")
 
 
@@ -41,23 +47,35 @@ def sampling_params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     if msg.HasField("structured_output"):
         kw["structured_output"] = structured_output_from_pb(msg.structured_output)
     return SamplingParams(
-        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-        logit_bias=tuple(msg.logit_bias.items()), min_tokens=msg.min_tokens,
-        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logit_bias=tuple(msg.logit_bias.items()),
+        min_tokens=msg.min_tokens,
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
         priority=msg.priority,
         **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
 
 
 def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
-        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens,
-        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
-        include_stop_str_in_output=p.include_stop_str_in_output, priority=p.priority,
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
-    )  # fmt: skip
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        priority=p.priority,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+    )
     for name in ("seed", "logprobs", "prompt_logprobs", "max_tokens"):
         value = getattr(p, name)
         if value is not None:
@@ -70,8 +88,9 @@ def sampling_params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 def structured_output_from_pb(msg: pb.StructuredOutput) -> StructuredOutput:
     kind = msg.WhichOneof("kind")
     if kind is None:
-        raise ValueError("structured_output: set one of json_schema, json_object, regex, choice, "
-                         "grammar")  # fmt: skip
+        raise ValueError(
+            "structured_output: set one of json_schema, json_object, regex, choice, grammar"
+        )
     if kind == "choice":
         return StructuredOutput("choice", choices=tuple(msg.choice.values))
     return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
@@ -138,24 +157,41 @@ def usage_of(out: RequestOutput) -> pb.Usage:
 def kv_handle_to_pb(h: KvHandle) -> pb.KvHandle:
     lay = h.layout
     return pb.KvHandle(
-        transfer_id=h.transfer_id, worker_id=h.worker_id, host=h.host, port=h.port,
-        num_tokens=h.num_tokens, block_size=h.block_size, num_blocks=h.num_blocks,
-        expires_at=h.expires_at, transport=h.transport,
+        transfer_id=h.transfer_id,
+        worker_id=h.worker_id,
+        host=h.host,
+        port=h.port,
+        num_tokens=h.num_tokens,
+        block_size=h.block_size,
+        num_blocks=h.num_blocks,
+        expires_at=h.expires_at,
+        transport=h.transport,
         layout=pb.LayoutFingerprint(
-            model_fingerprint=lay.model_fingerprint, dtype=lay.dtype, num_layers=lay.num_layers,
-            latent_dim=lay.latent_dim, block_size=lay.block_size,
+            model_fingerprint=lay.model_fingerprint,
+            dtype=lay.dtype,
+            num_layers=lay.num_layers,
+            latent_dim=lay.latent_dim,
+            block_size=lay.block_size,
         ),
-    )  # fmt: skip
+    )
 
 
 def kv_handle_from_pb(msg: pb.KvHandle) -> KvHandle:
     if not msg.transfer_id:
         raise ValueError("kv_handle.transfer_id is empty")
     lay = msg.layout
-    layout = LayoutFingerprint(lay.model_fingerprint, lay.dtype, lay.num_layers, lay.latent_dim,
-                               lay.block_size)  # fmt: skip
+    layout = LayoutFingerprint(
+        lay.model_fingerprint, lay.dtype, lay.num_layers, lay.latent_dim, lay.block_size
+    )
     return KvHandle(
-        transfer_id=msg.transfer_id, worker_id=msg.worker_id, host=msg.host, port=msg.port,
-        num_tokens=msg.num_tokens, block_size=msg.block_size, num_blocks=msg.num_blocks,
-        layout=layout, expires_at=msg.expires_at, transport=msg.transport,
-    )  # fmt: skip
+        transfer_id=msg.transfer_id,
+        worker_id=msg.worker_id,
+        host=msg.host,
+        port=msg.port,
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        num_blocks=msg.num_blocks,
+        layout=layout,
+        expires_at=msg.expires_at,
+        transport=msg.transport,
+    )

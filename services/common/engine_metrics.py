@@ -36,12 +36,17 @@ class EngineMetrics(Collector):
         queued = gauge("queued_prefill_tokens", "Prompt tokens not yet computed")
         blocks = gauge("kv_blocks", "KV cache blocks in all")
         cached = gauge("kv_cached_blocks", "Free blocks that still hold a cached prefix")
-        usage = gauge("kv_cache_usage_ratio",
-                      "Blocks held by requests or KV leases, of all (cached prefixes not counted)")  # fmt: skip
+        usage = gauge(
+            "kv_cache_usage_ratio",
+            "Blocks held by requests or KV leases, of all (cached prefixes not counted)",
+        )
         step = gauge("step_seconds", "The last step: plan, forward, sampling")
         step_tokens = gauge("step_tokens", "Tokens the last step computed")
-        preemptions = CounterMetricFamily("ferry_engine_preemptions", "Requests preempted "
-                                          "(their blocks freed, recomputed later)", labels=["worker"])  # fmt: skip
+        preemptions = CounterMetricFamily(
+            "ferry_engine_preemptions",
+            "Requests preempted (their blocks freed, recomputed later)",
+            labels=["worker"],
+        )
         for worker, engine in list(self._engines.items()):
             load = engine.load
             last = engine.engine.last_step

@@ -23,15 +23,21 @@ SERVICE_NAME = "ferry.v1.ExpertPlacement"
 
 def placement_map(version: int, slot_to_logical: torch.Tensor) -> eplb_pb2.PlacementMap:
     layers, slots = slot_to_logical.shape
-    return eplb_pb2.PlacementMap(version=version, num_moe_layers=layers, num_slots=slots,
-                                 slot_to_logical=slot_to_logical.reshape(-1).tolist())  # fmt: skip
+    return eplb_pb2.PlacementMap(
+        version=version,
+        num_moe_layers=layers,
+        num_slots=slots,
+        slot_to_logical=slot_to_logical.reshape(-1).tolist(),
+    )
 
 
 def slot_map(m: eplb_pb2.PlacementMap) -> torch.Tensor:
     """[num_moe_layers, num_slots] int64; ValueError when the sizes do not add up."""
     if m.num_moe_layers * m.num_slots != len(m.slot_to_logical) or not m.num_slots:
-        raise ValueError(f"{len(m.slot_to_logical)} slot entries for {m.num_moe_layers} MoE "
-                         f"layers x {m.num_slots} slots")  # fmt: skip
+        raise ValueError(
+            f"{len(m.slot_to_logical)} slot entries for {m.num_moe_layers} MoE "
+            f"layers x {m.num_slots} slots"
+        )
     return torch.tensor(list(m.slot_to_logical), dtype=torch.long).view(
         m.num_moe_layers, m.num_slots
     )
@@ -47,16 +53,20 @@ class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
         rebalancer = self.worker.engine.engine.rebalancer
         assert rebalancer is not None  # only DEP ranks serve this
         if request.group != self.worker.dep_group:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"this rank belongs to group {self.worker.dep_group!r}, "
-                                f"not {request.group!r}")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this rank belongs to group {self.worker.dep_group!r}, not {request.group!r}",
+            )
         version = request.placement.version
         try:
             order = PlacementOrder(version, slot_map(request.placement))
             future = rebalancer.submit(order)
         except OrderRejected as e:
-            code = (grpc.StatusCode.FAILED_PRECONDITION if version <= rebalancer.version
-                    else grpc.StatusCode.INVALID_ARGUMENT)  # fmt: skip
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if version <= rebalancer.version
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
             await context.abort(code, f"placement version {version}: {e}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"placement: {e}")
@@ -65,12 +75,20 @@ class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
             stats = await asyncio.wrap_future(future)  # resolved by the engine thread
         except OrderRejected as e:  # superseded by a newer order before it started
             await context.abort(grpc.StatusCode.ABORTED, str(e))
-        log.info("placement_applied", version=version, slots_moved=stats.slots_moved,
-                 bytes_received=stats.bytes_received, seconds_paused=stats.seconds_paused)  # fmt: skip
+        log.info(
+            "placement_applied",
+            version=version,
+            slots_moved=stats.slots_moved,
+            bytes_received=stats.bytes_received,
+            seconds_paused=stats.seconds_paused,
+        )
         return eplb_pb2.PlacementApplied(
-            version=stats.version, slots_moved=stats.slots_moved, bytes_sent=stats.bytes_sent,
-            bytes_received=stats.bytes_received, seconds_paused=stats.seconds_paused,
-        )  # fmt: skip
+            version=stats.version,
+            slots_moved=stats.slots_moved,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            seconds_paused=stats.seconds_paused,
+        )
 
     async def GetPlacement(
         self, request: eplb_pb2.GetPlacementRequest, context: grpc.aio.ServicerContext

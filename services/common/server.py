@@ -46,9 +46,11 @@ class Service:
 
 
 def create_server(config: ServiceConfig, service: Service) -> tuple[grpc.aio.Server, int]:
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               *server_options()]  # fmt: skip
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        *server_options(),
+    ]
     server = grpc.aio.server(options=options)
     service.add_to_server(server)
     names = (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)

@@ -31,8 +31,10 @@ class Streamed:
         self.num_chars += len(chunk.text)
 
     def resumed(self) -> common_pb2.Resumed:
-        return common_pb2.Resumed(num_output_tokens=self.before + len(self.token_ids),
-                                  num_emitted_chars=self.chars_before + self.num_chars)  # fmt: skip
+        return common_pb2.Resumed(
+            num_output_tokens=self.before + len(self.token_ids),
+            num_emitted_chars=self.chars_before + self.num_chars,
+        )
 
     def rest(self, request: scheduler_pb2.GenerateRequest) -> scheduler_pb2.GenerateRequest:
         """The rest of ``request`` after what was sent: those tokens appended to the prompt,
@@ -45,10 +47,11 @@ class Streamed:
         params.min_tokens = max(0, params.min_tokens - k)
         params.ClearField("prompt_logprobs")  # the client has them from the first chunk
         return scheduler_pb2.GenerateRequest(
-            request_id=request.request_id, sampling_params=params,
+            request_id=request.request_id,
+            sampling_params=params,
             prompt_token_ids=[*request.prompt_token_ids, *self.token_ids],
             resumed=self.resumed(),
-        )  # fmt: skip
+        )
 
     def count_usage(self, usage: common_pb2.Usage, request: scheduler_pb2.GenerateRequest) -> None:
         """A moved request's last chunk reports its last part; the client wants the whole."""

@@ -105,12 +105,17 @@ class EngineWorker(Service):
         """The engine; on a DEP rank, after joining the group (blocks until every rank is up)."""
         if config.dep_size == 1:
             return Engine(config.engine)
-        group = EPGroup.init(config.dep_size, config.dep_rank, config.dep_master,
-                             config.dep_timeout_s)  # fmt: skip
+        group = EPGroup.init(
+            config.dep_size, config.dep_rank, config.dep_master, config.dep_timeout_s
+        )
         mc = model_config(config.engine.model)
-        placement = ExpertPlacement.spread(mc.num_moe_layers, mc.n_routed_experts,
-                                           config.dep_size, config.dep_rank,
-                                           config.num_redundant_experts)  # fmt: skip
+        placement = ExpertPlacement.spread(
+            mc.num_moe_layers,
+            mc.n_routed_experts,
+            config.dep_size,
+            config.dep_rank,
+            config.num_redundant_experts,
+        )
         return Engine(config.engine, placement, group)
 
     @property
@@ -122,19 +127,33 @@ class EngineWorker(Service):
     def layout(self) -> LayoutFingerprint:
         eng = self.engine.engine
         cache = eng.kv_cache
-        return LayoutFingerprint(eng.model_fingerprint, self.config.engine.dtype,
-                                 cache.shape[0], cache.shape[3], cache.shape[2])  # fmt: skip
+        return LayoutFingerprint(
+            eng.model_fingerprint,
+            self.config.engine.dtype,
+            cache.shape[0],
+            cache.shape[3],
+            cache.shape[2],
+        )
 
     async def start(self, address: str, metrics_port: int) -> None:
         eng = self.engine.engine
         record = WorkerRecord(
-            worker_id=self.worker_id, role=self.role, address=address, kv_address=self.kv_address,
-            kv_transport=self.config.kv_transport, model=self.config.engine.model,
-            model_fingerprint=eng.model_fingerprint, max_model_len=eng.max_model_len,
-            block_size=eng.kv.block_size, num_kv_blocks=eng.kv.num_blocks,
-            metrics_port=metrics_port, pid=os.getpid(), started_at=time.time(),
-            dep_group=self.dep_group, dep_rank=self.config.dep_rank if self.dep_group else -1,
-        )  # fmt: skip
+            worker_id=self.worker_id,
+            role=self.role,
+            address=address,
+            kv_address=self.kv_address,
+            kv_transport=self.config.kv_transport,
+            model=self.config.engine.model,
+            model_fingerprint=eng.model_fingerprint,
+            max_model_len=eng.max_model_len,
+            block_size=eng.kv.block_size,
+            num_kv_blocks=eng.kv.num_blocks,
+            metrics_port=metrics_port,
+            pid=os.getpid(),
+            started_at=time.time(),
+            dep_group=self.dep_group,
+            dep_rank=self.config.dep_rank if self.dep_group else -1,
+        )
         await self.cluster.register(record, self.load_report)
         self._watch = asyncio.create_task(self._watch_health())
         self._publish = asyncio.create_task(self._publish_expert_load())
@@ -152,10 +171,13 @@ class EngineWorker(Service):
             await asyncio.sleep(self.config.service.heartbeat_s)
             load = eng.expert_load
             report = ExpertLoadReport(
-                counts=load.window().tolist(), steps_total=load.steps_total, updated_at=time.time(),
+                counts=load.window().tolist(),
+                steps_total=load.steps_total,
+                updated_at=time.time(),
                 placement_version=eng.rebalancer.version if eng.rebalancer else 0,
-                placement_step=eng.placement_step, snapshots=load.recent_snapshots(),
-            )  # fmt: skip
+                placement_step=eng.placement_step,
+                snapshots=load.recent_snapshots(),
+            )
             with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
                 await self.cluster.publish_expert_load(group, rank, report)
 
@@ -215,11 +237,15 @@ class EngineWorker(Service):
     def load_report(self) -> LoadReport:
         load = self.engine.load
         return LoadReport(
-            running=load.running, waiting=load.waiting,
-            queued_prefill_tokens=load.queued_prefill_tokens, free_kv_blocks=load.free_kv_blocks,
-            total_kv_blocks=load.total_kv_blocks, cached_kv_blocks=load.cached_kv_blocks,
-            step_time_s=load.step_time_s, updated_at=time.time(),
-        )  # fmt: skip
+            running=load.running,
+            waiting=load.waiting,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            free_kv_blocks=load.free_kv_blocks,
+            total_kv_blocks=load.total_kv_blocks,
+            cached_kv_blocks=load.cached_kv_blocks,
+            step_time_s=load.step_time_s,
+            updated_at=time.time(),
+        )
 
     async def drain(self) -> None:
         await self.cluster.drain()

@@ -56,9 +56,13 @@ class DecodeWorker(EngineWorker):
         if transport not in self._importers:
             eng = self.engine.engine
             self._importers[transport] = KvImporter(
-                create_transport(transport), eng.kv_cache, eng.kv, self.layout,
-                self.config.transfer_timeout_s, self.config.verify_checksum,
-            )  # fmt: skip
+                create_transport(transport),
+                eng.kv_cache,
+                eng.kv,
+                self.layout,
+                self.config.transfer_timeout_s,
+                self.config.verify_checksum,
+            )
         return self._importers[transport]
 
     def transports(self) -> list[KvTransport]:
@@ -141,11 +145,15 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 imported = None
                 if handle is not None:
                     key = await w.pull(handle, context)
-                    imported = ImportedKv(key, request.first_token_id,
-                                          convert.logprobs_from_pb(request.first_logprobs),
-                                          request.num_cached_tokens)  # fmt: skip
-                async for outs in w.engine.stream(ids, params, rid, imported=imported,
-                                                  resumed=resumed):  # fmt: skip
+                    imported = ImportedKv(
+                        key,
+                        request.first_token_id,
+                        convert.logprobs_from_pb(request.first_logprobs),
+                        request.num_cached_tokens,
+                    )
+                async for outs in w.engine.stream(
+                    ids, params, rid, imported=imported, resumed=resumed
+                ):
                     metrics.COALESCED.observe(len(outs))
                     yield convert.chunk_from_outputs(outs)
             except (ValueError, KeyError) as e:

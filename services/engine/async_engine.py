@@ -80,9 +80,15 @@ class AsyncEngine:
             pending = len(self._adds)
         load = self._load
         kv = self.engine.kv.usage()
-        return EngineLoad(load.running, load.waiting + pending, load.queued_prefill_tokens,
-                          kv["free"] + kv["cached"], kv["total"], kv["cached"],
-                          load.step_time_s)  # fmt: skip
+        return EngineLoad(
+            load.running,
+            load.waiting + pending,
+            load.queued_prefill_tokens,
+            kv["free"] + kv["cached"],
+            kv["total"],
+            kv["cached"],
+            load.step_time_s,
+        )
 
     async def generate(
         self,
@@ -97,8 +103,9 @@ class AsyncEngine:
         """Yield a RequestOutput after every step that adds tokens; the last one is finished.
         Invalid requests raise ValueError before anything runs. ``hand_off``, ``imported`` and
         ``resumed`` are as in :meth:`Engine.add_request`."""
-        async for outs in self.stream(prompt, params, request_id, hand_off=hand_off,
-                                      imported=imported, resumed=resumed):  # fmt: skip
+        async for outs in self.stream(
+            prompt, params, request_id, hand_off=hand_off, imported=imported, resumed=resumed
+        ):
             for out in outs:
                 yield out
 
@@ -204,9 +211,15 @@ class AsyncEngine:
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
         for a in adds:
             try:
-                self.engine.add_request(a.request_id, a.prompt_token_ids, a.params,
-                                        hand_off=a.hand_off, imported=a.imported,
-                                        resumed=a.resumed, grammar=a.grammar)  # fmt: skip
+                self.engine.add_request(
+                    a.request_id,
+                    a.prompt_token_ids,
+                    a.params,
+                    hand_off=a.hand_off,
+                    imported=a.imported,
+                    resumed=a.resumed,
+                    grammar=a.grammar,
+                )
             except (ValueError, KeyError) as e:
                 self._deliver_error(a.request_id, e)
         for rid in aborts:

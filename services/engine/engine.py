@@ -204,8 +204,10 @@ class Engine:
         max_tokens and min_tokens by what was generated."""
         k, n = resumed.num_output_tokens, len(req.prompt_token_ids)
         if not 0 < k < n:
-            raise ValueError(f"resumed.num_output_tokens is {k}; it must be 1..{n - 1} "
-                             f"(the prompt has {n} tokens)")  # fmt: skip
+            raise ValueError(
+                f"resumed.num_output_tokens is {k}; it must be 1..{n - 1} "
+                f"(the prompt has {n} tokens)"
+            )
         req.num_resumed = k
         generated = req.prompt_token_ids[n - k :]
         if req.matcher is not None and not all(req.matcher.accept_token(t) for t in generated):
@@ -387,8 +389,15 @@ class Engine:
         queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in running)
         usage = self.kv.usage()
         step = self.last_step.total_s if self.last_step else 0.0
-        return EngineLoad(len(running), len(waiting), queued, usage["free"] + usage["cached"],
-                          usage["total"], usage["cached"], step)  # fmt: skip
+        return EngineLoad(
+            len(running),
+            len(waiting),
+            queued,
+            usage["free"] + usage["cached"],
+            usage["total"],
+            usage["cached"],
+            step,
+        )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.requests.values())
@@ -399,10 +408,15 @@ def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
     by an engine with the same one."""
     skew = {"router_skew": config.router_skew} if config.router_skew else {}
     desc = json.dumps(
-        {"model": config.model, "dtype": config.dtype, "block_size": config.block_size,
-         **skew, "config": model.config.to_hf_dict()},
+        {
+            "model": config.model,
+            "dtype": config.dtype,
+            "block_size": config.block_size,
+            **skew,
+            "config": model.config.to_hf_dict(),
+        },
         sort_keys=True,
-    )  # fmt: skip
+    )
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 

@@ -17,9 +17,12 @@ import torch
 
 class ExpertLoad:
     def __init__(
-        self, num_moe_layers: int, num_experts: int, window_steps: int = 1000,
+        self,
+        num_moe_layers: int,
+        num_experts: int,
+        window_steps: int = 1000,
         bucket_steps: int = 100,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.shape = (num_moe_layers, num_experts)
         self.bucket_steps = max(1, min(bucket_steps, window_steps))
         self._buckets: deque[torch.Tensor] = deque(maxlen=max(1, window_steps // self.bucket_steps))
@@ -40,8 +43,7 @@ class ExpertLoad:
             return
         if self._current is None:
             self._current = torch.zeros(self.shape, dtype=torch.long, device=logical_ids.device)
-        self._current[moe_layer] += torch.bincount(logical_ids.reshape(-1),
-                                                   minlength=self.shape[1])  # fmt: skip
+        self._current[moe_layer] += torch.bincount(logical_ids.reshape(-1), minlength=self.shape[1])
 
     def add_rows(self, moe_layer: int, rows: int) -> None:
         self.rows_total[moe_layer] += rows

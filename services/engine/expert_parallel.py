@@ -41,8 +41,13 @@ class EPGroup:
         until interpreter shutdown, where tearing them down now and then aborted the process
         ("terminate called without an active exception") after its work had succeeded."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master}", world_size=size,
-                                rank=rank, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master}",
+            world_size=size,
+            rank=rank,
+            timeout=timedelta(seconds=timeout_s),
+        )
         return cls(rank, size)
 
     def any(self, flag: bool) -> bool:

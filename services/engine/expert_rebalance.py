@@ -115,21 +115,26 @@ class Rebalancer:
         fut: Future[RebalanceStats] = Future()
         with self._lock:
             if order.version <= self.version:
-                raise OrderRejected(f"placement version {order.version} is not newer than the "
-                                    f"current {self.version}")  # fmt: skip
+                raise OrderRejected(
+                    f"placement version {order.version} is not newer than the "
+                    f"current {self.version}"
+                )
             # a controller that retries after a partial failure reuses the version: latest wins
             replaced = self._pending.pop(order.version, None)
             if replaced is not None:
-                replaced[1].set_exception(OrderRejected(f"placement version {order.version} "
-                                                        "replaced by a newer order"))  # fmt: skip
+                replaced[1].set_exception(
+                    OrderRejected(f"placement version {order.version} replaced by a newer order")
+                )
             self._pending[order.version] = (order, fut)
         return fut
 
     def _check(self, order: PlacementOrder) -> None:
         p, s2l = self.placement, order.slot_to_logical
         if tuple(s2l.shape) != tuple(p.slot_to_logical.shape):
-            raise OrderRejected(f"placement of shape {tuple(s2l.shape)} for a model with "
-                                f"{tuple(p.slot_to_logical.shape)} slots")  # fmt: skip
+            raise OrderRejected(
+                f"placement of shape {tuple(s2l.shape)} for a model with "
+                f"{tuple(p.slot_to_logical.shape)} slots"
+            )
         try:  # the same checks as the engine's own placement (every expert has a slot, ...)
             ExpertPlacement(s2l.long(), p.num_logical_experts, p.ep_size, p.ep_rank)
         except ValueError as e:
@@ -157,7 +162,8 @@ class Rebalancer:
             stale = [v for v in self._pending if v < version]
             for v in stale:
                 self._pending.pop(v)[1].set_exception(
-                    OrderRejected(f"placement version {v} superseded by {version}"))  # fmt: skip
+                    OrderRejected(f"placement version {v} superseded by {version}")
+                )
         self._active = _Migration(order, fut, RebalanceStats(version))
 
     def _move_layers(self) -> None:
@@ -190,8 +196,9 @@ class Rebalancer:
         m.stats.bytes_received += received
         rows = p.slot_to_logical.clone()
         rows[layer] = m.order.slot_to_logical[layer]
-        set_placement(self.model, ExpertPlacement(rows, p.num_logical_experts, p.ep_size,
-                                                  p.ep_rank))  # fmt: skip
+        set_placement(
+            self.model, ExpertPlacement(rows, p.num_logical_experts, p.ep_size, p.ep_rank)
+        )
 
 
 def exchange_weights(
@@ -207,10 +214,14 @@ def exchange_weights(
 
     # senders order their rows by (destination rank, destination slot); receivers expect the
     # rows of each source rank in destination-slot order: the same order
-    sends = sorted((mv for mv in moves if rank_of(mv.src) == me != rank_of(mv.dst)),
-                   key=lambda mv: (rank_of(mv.dst), mv.dst))  # fmt: skip
-    recvs = sorted((mv for mv in moves if rank_of(mv.dst) == me != rank_of(mv.src)),
-                   key=lambda mv: (rank_of(mv.src), mv.dst))  # fmt: skip
+    sends = sorted(
+        (mv for mv in moves if rank_of(mv.src) == me != rank_of(mv.dst)),
+        key=lambda mv: (rank_of(mv.dst), mv.dst),
+    )
+    recvs = sorted(
+        (mv for mv in moves if rank_of(mv.dst) == me != rank_of(mv.src)),
+        key=lambda mv: (rank_of(mv.src), mv.dst),
+    )
     local = [mv for mv in moves if rank_of(mv.src) == me == rank_of(mv.dst)]
     # [n, row]: every tensor's slot flattened side by side; gathered before anything is written
     send_rows = _rows(weights, [mv.src - me * spr for mv in sends])

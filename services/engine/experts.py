@@ -72,18 +72,28 @@ class ExpertPlacement:
 
     @classmethod
     def spread(
-        cls, num_moe_layers: int, num_experts: int, ep_size: int, ep_rank: int,
+        cls,
+        num_moe_layers: int,
+        num_experts: int,
+        ep_size: int,
+        ep_rank: int,
         num_redundant: int = 0,
-    ) -> ExpertPlacement:  # fmt: skip
+    ) -> ExpertPlacement:
         """The starting placement of a DEP group: experts in order over the slots, then one
         extra replica each of the first ``num_redundant`` experts (EPLB moves them later)."""
         num_slots = num_experts + num_redundant
         if num_slots % ep_size:
-            raise ValueError(f"{num_experts} experts + {num_redundant} redundant = {num_slots} "
-                             f"slots do not split evenly over {ep_size} ranks")  # fmt: skip
+            raise ValueError(
+                f"{num_experts} experts + {num_redundant} redundant = {num_slots} "
+                f"slots do not split evenly over {ep_size} ranks"
+            )
         row = torch.cat([torch.arange(num_experts), torch.arange(num_redundant) % num_experts])
-        return cls(slot_to_logical=row.repeat(num_moe_layers, 1), num_logical_experts=num_experts,
-                   ep_size=ep_size, ep_rank=ep_rank)  # fmt: skip
+        return cls(
+            slot_to_logical=row.repeat(num_moe_layers, 1),
+            num_logical_experts=num_experts,
+            ep_size=ep_size,
+            ep_rank=ep_rank,
+        )
 
     @property
     def num_moe_layers(self) -> int:

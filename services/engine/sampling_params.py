@@ -6,8 +6,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_schema", "json_object", "regex", "choice",
-                                                 "grammar")  # fmt: skip
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = (
+    "json_schema",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+)
 
 
 @dataclass(frozen=True)

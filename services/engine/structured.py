@@ -58,8 +58,9 @@ class Grammars:
             if spec.kind == "json_schema":
                 compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False)
             elif spec.kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                        strict_mode=False)  # fmt: skip
+                compiled = compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.spec)
             elif spec.kind == "choice":  # JSON string literals are EBNF string literals
@@ -89,8 +90,9 @@ class Grammars:
             info = self._hf_info(tok)
         elif isinstance(tok, ByteTokenizer):  # specials decode to b"": xgrammar never allows them
             vocab = [bytes((i,)) if i < 256 else b"" for i in range(self._vocab_size)]
-            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self._vocab_size,
-                                     stop_token_ids=self._eos)  # fmt: skip
+            info = xgr.TokenizerInfo(
+                vocab, xgr.VocabType.RAW, vocab_size=self._vocab_size, stop_token_ids=self._eos
+            )
         else:
             raise ValueError(f"structured output: no vocabulary for a {type(tok).__name__}")
         return xgr.GrammarCompiler(info, max_threads=1)
@@ -109,9 +111,13 @@ class Grammars:
         )
         special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
         encoded = ["" if i in special else (hf.id_to_token(i) or "") for i in range(size)]
-        return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=size,
-                                 stop_token_ids=self._eos,
-                                 add_prefix_space=detected.add_prefix_space)  # fmt: skip
+        return xgr.TokenizerInfo(
+            encoded,
+            detected.vocab_type,
+            vocab_size=size,
+            stop_token_ids=self._eos,
+            add_prefix_space=detected.add_prefix_space,
+        )
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:

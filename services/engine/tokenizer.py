@@ -221,6 +221,11 @@ def write_byte_tokenizer_json(path: Path) -> None:
         ByteTokenizer.SPECIALS[ByteTokenizer.BOS_ID],
         ByteTokenizer.SPECIALS[ByteTokenizer.EOS_ID],
     )
-    config = {"bos_token": bos, "eos_token": eos, "pad_token": ByteTokenizer.SPECIALS[ByteTokenizer.PAD_ID],
-              "add_bos_token": True, "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": ByteTokenizer.SPECIALS[ByteTokenizer.PAD_ID],
+        "add_bos_token": True,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

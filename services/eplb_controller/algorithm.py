@@ -143,13 +143,17 @@ class _Layout:
             if x % y:
                 raise ValueError(f"{a} % {b} = {x} % {y} = {x % y}, must be 0: {why}")
         if self.num_replicas < self.num_logical_experts:
-            raise ValueError(f"num_replicas {self.num_replicas} < num_logical_experts "
-                             f"{self.num_logical_experts}: every logical expert needs a slot")  # fmt: skip
+            raise ValueError(
+                f"num_replicas {self.num_replicas} < num_logical_experts "
+                f"{self.num_logical_experts}: every logical expert needs a slot"
+            )
         if self.slots_per_gpu > self.experts_per_domain:
             where = "node" if self.hierarchical else "cluster"
-            raise ValueError(f"{self.slots_per_gpu} slots per GPU but {self.experts_per_domain} "
-                             f"experts per {where}: some GPU would hold two replicas of one "
-                             "expert")  # fmt: skip
+            raise ValueError(
+                f"{self.slots_per_gpu} slots per GPU but {self.experts_per_domain} "
+                f"experts per {where}: some GPU would hold two replicas of one "
+                "expert"
+            )
 
     @property
     def hierarchical(self) -> bool:
@@ -253,8 +257,7 @@ def _domain_experts(loads: np.ndarray, layout: _Layout) -> np.ndarray:
     group_size = num_logical // layout.num_groups
     group_load = loads.reshape(num_layers, layout.num_groups, group_size).sum(-1)  # [L, groups]
     order = np.argsort(-group_load, axis=1, kind="stable")
-    bins = _pack_layers(np.take_along_axis(group_load, order, 1), order, domains,
-                        layout.num_groups)  # fmt: skip
+    bins = _pack_layers(np.take_along_axis(group_load, order, 1), order, domains, layout.num_groups)
     _refine(bins, pair_rounds=4)
     experts = bins.key[..., None] * group_size + np.arange(group_size)  # [L, D, G / D, size]
     return experts.reshape(num_layers * domains, -1)
@@ -319,8 +322,9 @@ class _Bins:
         np.add.at(count, (dup[0], later[..., 1:][dup], dup[1]), 1)
         return cls(load, key, load.sum(-1), count)
 
-    def swap(self, rows: np.ndarray, a: np.ndarray, i: np.ndarray, b: np.ndarray,
-             j: np.ndarray) -> None:  # fmt: skip
+    def swap(
+        self, rows: np.ndarray, a: np.ndarray, i: np.ndarray, b: np.ndarray, j: np.ndarray
+    ) -> None:
         """Exchange item ``i`` of bin ``a`` with item ``j`` of bin ``b``, elementwise; no two
         entries may name the same bin of the same row."""
         load_i, load_j = self.load[rows, a, i], self.load[rows, b, j]
@@ -404,8 +408,9 @@ def _repair(bins: _Bins) -> None:
         bins.swap(rows, src, i, q, j)
 
 
-def _refine(bins: _Bins, rows: np.ndarray | None = None, pair_rounds: int = 0,
-            max_rounds: int = 32) -> None:  # fmt: skip
+def _refine(
+    bins: _Bins, rows: np.ndarray | None = None, pair_rounds: int = 0, max_rounds: int = 32
+) -> None:
     """Local search on the heaviest bin of each row: swap one of its items with one of another
     bin while that leaves both below its load. The first ``pair_rounds`` rounds also make the
     same kind of swap in disjoint (heavy, light) pairs of bins first, which settles rows in
@@ -606,8 +611,7 @@ def _warm_start(
     return out.reshape(prev.shape), usable
 
 
-def _recount(slots: np.ndarray, loads: np.ndarray, counts: np.ndarray,
-             per_gpu: int) -> np.ndarray:  # fmt: skip
+def _recount(slots: np.ndarray, loads: np.ndarray, counts: np.ndarray, per_gpu: int) -> np.ndarray:
     """[X, P] slots → the same with ``counts`` [X, n] replicas per expert: surplus replicas
     (those on the heaviest GPUs) make room for missing ones, heaviest per replica into the
     lightest GPU. May put two replicas of one expert on a GPU (``_repair`` fixes that)."""

@@ -10,8 +10,9 @@ BALANCEDNESS = Gauge(
 )
 REBALANCES = Counter("ferry_eplb_rebalances_total", "Placements applied", ["group"])
 SLOTS_MOVED = Counter("ferry_eplb_slots_moved_total", "Expert slots that changed expert", ["group"])
-BYTES_MOVED = Counter("ferry_eplb_bytes_moved_total", "Expert weight bytes sent between ranks",
-                      ["group"])  # fmt: skip
+BYTES_MOVED = Counter(
+    "ferry_eplb_bytes_moved_total", "Expert weight bytes sent between ranks", ["group"]
+)
 SECONDS_PAUSED = Histogram(
     "ferry_eplb_pause_seconds",
     "Time a rebalance added to a group's steps (its slowest rank)",

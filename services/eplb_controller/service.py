@@ -98,9 +98,14 @@ class EplbController(Service):
         eplb_pb2_grpc.add_EplbControllerServicer_to_server(_Servicer(self), server)
 
     async def start(self, address: str, metrics_port: int) -> None:
-        record = WorkerRecord(worker_id=self.worker_id, role=self.role, address=address,
-                              metrics_port=metrics_port, pid=os.getpid(),
-                              started_at=time.time())  # fmt: skip
+        record = WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=address,
+            metrics_port=metrics_port,
+            pid=os.getpid(),
+            started_at=time.time(),
+        )
         await self.cluster.register(record)
         self._watch = asyncio.create_task(self._watch_groups())
 
@@ -156,11 +161,19 @@ class EplbController(Service):
         their metrics, and their keys in Redis (`ferry up` restarts a group under a new name).
         Not at once: after a Redis restart the registry is empty until the next heartbeats."""
         now = time.monotonic()
-        gone = [g for g, seen in self._last_seen.items()
-                if g not in registered and now - seen >= self.config.forget_after_s]  # fmt: skip
+        gone = [
+            g
+            for g, seen in self._last_seen.items()
+            if g not in registered and now - seen >= self.config.forget_after_s
+        ]
         for name in gone:
-            for kept in (self._windows, self._rebalanced_at_step, self._rebalances,
-                         self._incarnations, self._last_seen):  # fmt: skip
+            for kept in (
+                self._windows,
+                self._rebalanced_at_step,
+                self._rebalances,
+                self._incarnations,
+                self._last_seen,
+            ):
                 kept.pop(name, None)
             for metric in metrics.PER_GROUP:
                 with contextlib.suppress(KeyError):  # never set for this group
@@ -171,8 +184,10 @@ class EplbController(Service):
     async def reports(self, group: Group) -> dict[int, ExpertLoadReport]:
         reports = await self.cluster.expert_load_reports(group.name)
         if not group.complete or sorted(reports) != sorted(group.ranks):
-            raise NoRebalance(f"group {group.name}: ranks {sorted(group.ranks)} registered, "
-                              f"load reports from {sorted(reports)}")  # fmt: skip
+            raise NoRebalance(
+                f"group {group.name}: ranks {sorted(group.ranks)} registered, "
+                f"load reports from {sorted(reports)}"
+            )
         return reports
 
     async def _observe(self, group: Group) -> None:
@@ -223,15 +238,20 @@ class EplbController(Service):
         mc = model_config(group.ranks[0].model)
         new = rebalance(weight, prev.shape[1], mc.n_group, self.config.num_nodes, size, prev)
         before, after = balancedness(weight, prev, size), balancedness(weight, new, size)
-        result = eplb_pb2.GroupRebalance(group=group.name, predicted_balancedness_before=before,
-                                         predicted_balancedness_after=after)  # fmt: skip
+        result = eplb_pb2.GroupRebalance(
+            group=group.name,
+            predicted_balancedness_before=before,
+            predicted_balancedness_after=after,
+        )
         if not new.slots_moved:
             raise NoRebalance(
                 f"group {group.name}: the current placement is already the best found"
             )
         if after < before + self.config.min_gain:
-            raise NoRebalance(f"group {group.name}: predicted balancedness {before:.3f} -> "
-                              f"{after:.3f}, less than the minimum gain {self.config.min_gain}")  # fmt: skip
+            raise NoRebalance(
+                f"group {group.name}: predicted balancedness {before:.3f} -> "
+                f"{after:.3f}, less than the minimum gain {self.config.min_gain}"
+            )
         version = current.version + 1
         applied = await self._apply(group, version, new.phy2log)
         await self.cluster.save_placement(group.name, version, new.phy2log.tolist())
@@ -244,25 +264,37 @@ class EplbController(Service):
         metrics.SLOTS_MOVED.labels(group.name).inc(result.slots_moved)
         metrics.BYTES_MOVED.labels(group.name).inc(result.bytes_moved)
         metrics.SECONDS_PAUSED.labels(group.name).observe(result.seconds_paused)
-        log.info("rebalanced", group=group.name, version=version, before=round(before, 3),
-                 after=round(after, 3), slots_moved=result.slots_moved,
-                 bytes_moved=result.bytes_moved, seconds_paused=result.seconds_paused)  # fmt: skip
+        log.info(
+            "rebalanced",
+            group=group.name,
+            version=version,
+            before=round(before, 3),
+            after=round(after, 3),
+            slots_moved=result.slots_moved,
+            bytes_moved=result.bytes_moved,
+            seconds_paused=result.seconds_paused,
+        )
         return result
 
     async def _apply(
         self, group: Group, version: int, phy2log: torch.Tensor
     ) -> list[eplb_pb2.PlacementApplied]:
         """Order every rank at once; the ranks start moving weights when all of them have it."""
-        order = eplb_pb2.ApplyPlacementRequest(group=group.name,
-                                               placement=placement_map(version, phy2log))  # fmt: skip
-        calls = [self._stub(rec).ApplyPlacement(order, timeout=self.config.apply_timeout_s)
-                 for _, rec in sorted(group.ranks.items())]  # fmt: skip
+        order = eplb_pb2.ApplyPlacementRequest(
+            group=group.name, placement=placement_map(version, phy2log)
+        )
+        calls = [
+            self._stub(rec).ApplyPlacement(order, timeout=self.config.apply_timeout_s)
+            for _, rec in sorted(group.ranks.items())
+        ]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for (rank, rec), res in zip(sorted(group.ranks.items()), results, strict=True):
             if isinstance(res, BaseException):
                 detail = res.details() if isinstance(res, grpc.aio.AioRpcError) else repr(res)
-                raise NoRebalance(f"group {group.name}: rank {rank} ({rec.worker_id}) did not "
-                                  f"apply version {version}: {detail}")  # fmt: skip
+                raise NoRebalance(
+                    f"group {group.name}: rank {rank} ({rec.worker_id}) did not "
+                    f"apply version {version}: {detail}"
+                )
         return list(results)  # type: ignore[arg-type]
 
     def _stub(self, rec: WorkerRecord) -> eplb_pb2_grpc.ExpertPlacementStub:
@@ -270,9 +302,12 @@ class EplbController(Service):
         return eplb_pb2_grpc.ExpertPlacementStub(channel)
 
     async def status(self, group: Group) -> eplb_pb2.GroupState:
-        state = eplb_pb2.GroupState(group=group.name, ranks=len(group.ranks),
-                                    balancedness=self.balancedness(group.name),
-                                    rebalances=self._rebalances.get(group.name, 0))  # fmt: skip
+        state = eplb_pb2.GroupState(
+            group=group.name,
+            ranks=len(group.ranks),
+            balancedness=self.balancedness(group.name),
+            rebalances=self._rebalances.get(group.name, 0),
+        )
         try:
             reports = await self.reports(group)
         except NoRebalance:
@@ -299,8 +334,9 @@ class _Servicer(eplb_pb2_grpc.EplbControllerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if name and name not in groups:
             known = ", ".join(sorted(groups)) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no DEP group {name!r} is registered (groups: {known})")  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no DEP group {name!r} is registered (groups: {known})"
+            )
         return [groups[name]] if name else [groups[g] for g in sorted(groups)]
 
     async def Rebalance(

@@ -58,11 +58,17 @@ class KvExporter:
     def _handle(self, lease: Lease, host: str, port: int, transport: str) -> KvHandle:
         remaining = lease.expires_at - self.leases.clock()
         return KvHandle(
-            transfer_id=lease.transfer_id, worker_id=self.worker_id, host=host, port=port,
-            num_tokens=lease.num_tokens, block_size=self.layout.block_size,
-            num_blocks=len(lease.block_ids), layout=self.layout,
-            expires_at=time.time() + remaining, transport=transport,
-        )  # fmt: skip
+            transfer_id=lease.transfer_id,
+            worker_id=self.worker_id,
+            host=host,
+            port=port,
+            num_tokens=lease.num_tokens,
+            block_size=self.layout.block_size,
+            num_blocks=len(lease.block_ids),
+            layout=self.layout,
+            expires_at=time.time() + remaining,
+            transport=transport,
+        )
 
     async def run_reaper(self, interval: float = 1.0) -> None:
         """Free expired leases every ``interval`` seconds, until cancelled."""

@@ -120,8 +120,11 @@ class TransferPlan:
         return cls([(a, b - a) for a, b in itertools.pairwise(edges)], src_in, dst_in)
 
     def to_json(self) -> dict[str, object]:
-        return {"pieces": self.pieces, "src_in_place": self.src_in_place,
-                "dst_in_place": self.dst_in_place}  # fmt: skip
+        return {
+            "pieces": self.pieces,
+            "src_in_place": self.src_in_place,
+            "dst_in_place": self.dst_in_place,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, object]) -> TransferPlan:

@@ -198,8 +198,11 @@ class UcxTransport(KvTransport):
         num_layers = cache.shape[0]
         # Staged sends go out in layer chunks: chunk i+1 is gathered while chunk i is sent.
         chunks = layer_chunks(num_layers, len(src) * block_bytes)
-        header: dict[str, Any] = {"ok": True, "nbytes": num_layers * len(src) * block_bytes,
-                                  "checksum": crc}  # fmt: skip
+        header: dict[str, Any] = {
+            "ok": True,
+            "nbytes": num_layers * len(src) * block_bytes,
+            "checksum": crc,
+        }
         header.update({"chunks": chunks} if plan is None else {"plan": plan.to_json()})
         await _send_json(ep, header)
         if self.fault_delay_before_payload_s:
@@ -278,12 +281,18 @@ class UcxTransport(KvTransport):
         except TimeoutError as e:
             # A dead peer's closed port usually fails at once; a handshake that never ends is a
             # stopped or overloaded peer, or this process's UCX wedged (see UCX_DEFAULTS).
-            log.error("ucx_connect_timeout", transfer_id=handle.transfer_id, peer=where,
-                      seconds=self.connect_timeout, hint=WEDGED_HINT)  # fmt: skip
+            log.error(
+                "ucx_connect_timeout",
+                transfer_id=handle.transfer_id,
+                peer=where,
+                seconds=self.connect_timeout,
+                hint=WEDGED_HINT,
+            )
             raise TransferError(
-                "connect_timeout", f"transfer {handle.transfer_id}: {where} did not complete the "
+                "connect_timeout",
+                f"transfer {handle.transfer_id}: {where} did not complete the "
                 f"UCX handshake within {self.connect_timeout:.1f}s",
-            ) from e  # fmt: skip
+            ) from e
         except Exception as e:
             raise TransferError(
                 "connect", f"transfer {handle.transfer_id}: cannot reach {where} ({e!r})"
@@ -315,8 +324,12 @@ class UcxTransport(KvTransport):
 
     async def fetch(self, handle: KvHandle, sink: KvSink, want_checksum: bool) -> int | None:
         dst_runs = [(sink.block_ids[off], n) for off, n in block_runs(sink.block_ids)]
-        msg = {"op": "pull", "transfer_id": handle.transfer_id, "checksum": want_checksum,
-               "dst_runs": dst_runs}  # fmt: skip
+        msg = {
+            "op": "pull",
+            "transfer_id": handle.transfer_id,
+            "checksum": want_checksum,
+            "dst_runs": dst_runs,
+        }
         reply = await self._call(handle, msg, sink)
         if not reply.get("ok"):
             peer = f"{handle.worker_id} at {handle.host}:{handle.port}"

@@ -34,8 +34,9 @@ class PrefillWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         eng = self.engine.engine
-        self.exporter = KvExporter(eng.kv_cache, eng.kv, self.layout, self.worker_id,
-                                   config.lease_seconds)  # fmt: skip
+        self.exporter = KvExporter(
+            eng.kv_cache, eng.kv, self.layout, self.worker_id, config.lease_seconds
+        )
         self.transport = create_transport(config.kv_transport)
         self.kv_port = 0
         self._active: set[str] = set()
@@ -63,8 +64,13 @@ class PrefillWorker(EngineWorker):
         await self.transport.close()
         await super().close()
 
-    async def prefill(self, rid: str, ids: list[int], request: prefill_worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> prefill_worker_pb2.PrefillResult:  # fmt: skip
+    async def prefill(
+        self,
+        rid: str,
+        ids: list[int],
+        request: prefill_worker_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> prefill_worker_pb2.PrefillResult:
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
             resumed = convert.resumed_of(request)
@@ -87,8 +93,9 @@ class PrefillWorker(EngineWorker):
         result.first.usage.CopyFrom(convert.usage_of(out))
         if out.kv_hold is not None:
             svc = self.config.service
-            handle = self.exporter.export_hold(out.kv_hold, len(ids), svc.public_host,
-                                               self.kv_port, self.config.kv_transport)  # fmt: skip
+            handle = self.exporter.export_hold(
+                out.kv_hold, len(ids), svc.public_host, self.kv_port, self.config.kv_transport
+            )
             if handle is None:
                 await abort_with(context, grpc.StatusCode.ABORTED, f"request {rid} was aborted")
             else:

@@ -103,10 +103,19 @@ class ClusterView:
 
     def _candidate(self, view: WorkerView, cached_blocks: int) -> Candidate:
         load = view.load or LoadReport()
-        since = [r for r in self._routed.get(view.record.worker_id, {}).values()
-                 if r.at > load.updated_at]  # fmt: skip
-        return Candidate(view.record, load, len(since), sum(r.tokens for r in since),
-                         sum(r.blocks for r in since), cached_blocks)  # fmt: skip
+        since = [
+            r
+            for r in self._routed.get(view.record.worker_id, {}).values()
+            if r.at > load.updated_at
+        ]
+        return Candidate(
+            view.record,
+            load,
+            len(since),
+            sum(r.tokens for r in since),
+            sum(r.blocks for r in since),
+            cached_blocks,
+        )
 
     @contextmanager
     def routed(self, worker_id: str, tokens: int = 0, blocks: int = 0) -> Iterator[None]:
@@ -138,8 +147,12 @@ class ClusterView:
     def _mark_gone(self, live: set[tuple[str, int, float]]) -> None:
         for key, (event, _) in self._watched.items():
             if key not in live and not event.is_set():
-                log.warning("worker_gone", worker_id=key[0], pid=key[1],
-                            why="its heartbeat key expired or another process took its id")  # fmt: skip
+                log.warning(
+                    "worker_gone",
+                    worker_id=key[0],
+                    pid=key[1],
+                    why="its heartbeat key expired or another process took its id",
+                )
                 event.set()
 
     def suspect(self, worker_id: str) -> None:
@@ -149,8 +162,11 @@ class ClusterView:
     def max_model_len(self) -> int:
         """The smallest length limit among the workers a request starts on, prefill and
         aggregated (0 when none is registered)."""
-        lens = [v.record.max_model_len for v in self.workers()
-                if v.record.role in ("prefill", "aggregated") and v.record.max_model_len]  # fmt: skip
+        lens = [
+            v.record.max_model_len
+            for v in self.workers()
+            if v.record.role in ("prefill", "aggregated") and v.record.max_model_len
+        ]
         return min(lens, default=0)
 
 
@@ -158,5 +174,7 @@ def _merge(fresh: list[WorkerView], known: list[WorkerView]) -> list[WorkerView]
     """``fresh`` plus the ``known`` workers it lacks: after a Redis restart the registry is empty
     until each worker's next heartbeat, but the workers themselves are still there."""
     ids = {v.record.worker_id for v in fresh}
-    return sorted([*fresh, *(v for v in known if v.record.worker_id not in ids)],
-                  key=lambda v: v.record.worker_id)  # fmt: skip
+    return sorted(
+        [*fresh, *(v for v in known if v.record.worker_id not in ids)],
+        key=lambda v: v.record.worker_id,
+    )

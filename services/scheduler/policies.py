@@ -103,9 +103,12 @@ class LeastLoaded(RoutingPolicy):
 
         def busy(c: Candidate) -> tuple[int, int, int, str]:
             load = c.load
-            return (load.running + load.waiting + c.routed_requests,
-                    load.queued_prefill_tokens + c.routed_tokens,
-                    c.routed_blocks - load.free_kv_blocks, c.worker_id)  # fmt: skip
+            return (
+                load.running + load.waiting + c.routed_requests,
+                load.queued_prefill_tokens + c.routed_tokens,
+                c.routed_blocks - load.free_kv_blocks,
+                c.worker_id,
+            )
 
         return min(candidates, key=busy)
 

@@ -63,8 +63,12 @@ log = get_logger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # A worker that died (UNAVAILABLE), whose KV pull failed or timed out, or that stopped serving
 # (its server cancelled the call): the request can go on elsewhere.
-MIGRATABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+MIGRATABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 
 @dataclass(frozen=True)
@@ -116,11 +120,17 @@ class Scheduler(Service):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Servicer(self), server)
 
     async def start(self, address: str, metrics_port: int) -> None:
-        record = WorkerRecord(worker_id=self.worker_id, role=self.role, address=address,
-                              metrics_port=metrics_port, pid=os.getpid(),
-                              started_at=time.time())  # fmt: skip
-        await self.cluster.register(record, lambda: LoadReport(running=len(self._active),
-                                                               updated_at=time.time()))  # fmt: skip
+        record = WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=address,
+            metrics_port=metrics_port,
+            pid=os.getpid(),
+            started_at=time.time(),
+        )
+        await self.cluster.register(
+            record, lambda: LoadReport(running=len(self._active), updated_at=time.time())
+        )
         await self.view.refresh()
         self._refresher = asyncio.create_task(self.view.run())
         if self.policy.uses_prefixes:
@@ -170,12 +180,20 @@ class Scheduler(Service):
                             return  # what fails after the last chunk is not the client's
                 return
             except Failed as f:
-                if not (sent.moves < self.config.migration_limit and sent.token_ids
-                        and f.code in MIGRATABLE):  # fmt: skip
+                if not (
+                    sent.moves < self.config.migration_limit
+                    and sent.token_ids
+                    and f.code in MIGRATABLE
+                ):
                     raise
                 sent.moves += 1
-                log.warning("migrating", reason=f.message, code=f.code.name,
-                            generated=len(sent.token_ids), migration=sent.moves)  # fmt: skip
+                log.warning(
+                    "migrating",
+                    reason=f.message,
+                    code=f.code.name,
+                    generated=len(sent.token_ids),
+                    migration=sent.moves,
+                )
                 metrics.MIGRATIONS.inc()
                 part = sent.rest(request)
                 resumed = part.resumed
@@ -183,16 +201,21 @@ class Scheduler(Service):
                 route = await self._route_request(part, rid)
 
     async def _serve(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        rid: str,
+        route: RouteRequest,
         resumed: common_pb2.Resumed | None = None,
-    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:  # fmt: skip
+    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:
         """On an aggregated worker when there is one; else, or when every aggregated worker
         refused before streaming and there are prefill workers, prefill then decode."""
         if self.view.workers("aggregated"):
-            msg = decode_worker_pb2.DecodeRequest(request_id=rid,
-                                                  prompt_token_ids=request.prompt_token_ids,
-                                                  sampling_params=request.sampling_params,
-                                                  resumed=resumed)  # fmt: skip
+            msg = decode_worker_pb2.DecodeRequest(
+                request_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                resumed=resumed,
+            )
             streamed = False
             try:
                 async for chunk in self._stream("aggregated", msg, route):
@@ -206,16 +229,20 @@ class Scheduler(Service):
             except Failed as f:
                 if streamed or f.code not in RETRYABLE or not self.view.workers("prefill"):
                     raise
-                log.info("no aggregated worker took the request; prefill then decode",
-                         code=f.code.name)  # fmt: skip
+                log.info(
+                    "no aggregated worker took the request; prefill then decode", code=f.code.name
+                )
         metrics.PATHS.labels("disaggregated").inc()
         async for chunk in self._disaggregated(request, rid, route, resumed):
             yield chunk
 
     async def _disaggregated(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        rid: str,
+        route: RouteRequest,
         resumed: common_pb2.Resumed | None,
-    ) -> AsyncIterator[common_pb2.TokenChunk]:  # fmt: skip
+    ) -> AsyncIterator[common_pb2.TokenChunk]:
         result, prefill = await self._prefill(request, rid, route, resumed)
         first = result.first
         if first.finish_reason:
@@ -238,8 +265,11 @@ class Scheduler(Service):
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         k = request.resumed.num_output_tokens
         if k >= n:
-            raise Failed(grpc.StatusCode.INVALID_ARGUMENT, f"resumed.num_output_tokens is {k}; "
-                         f"it must be less than the {n} prompt tokens it is part of")  # fmt: skip
+            raise Failed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resumed.num_output_tokens is {k}; "
+                f"it must be less than the {n} prompt tokens it is part of",
+            )
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
         except ValueError as e:
@@ -247,8 +277,9 @@ class Scheduler(Service):
         if not self._entry_workers():
             await self.view.refresh()  # the view is refresh_s old: a worker may have just joined
         if not self._entry_workers():
-            raise Failed(grpc.StatusCode.UNAVAILABLE,
-                         "no prefill or aggregated worker is registered")  # fmt: skip
+            raise Failed(
+                grpc.StatusCode.UNAVAILABLE, "no prefill or aggregated worker is registered"
+            )
         limit = self.view.max_model_len()
         if n + (params.max_tokens or 0) > limit or n >= limit:
             raise Failed(
@@ -271,21 +302,28 @@ class Scheduler(Service):
         return self.view.workers("aggregated") + self.view.workers("prefill")
 
     async def _prefill(
-        self, request: scheduler_pb2.GenerateRequest, rid: str, route: RouteRequest,
+        self,
+        request: scheduler_pb2.GenerateRequest,
+        rid: str,
+        route: RouteRequest,
         resumed: common_pb2.Resumed | None,
-    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:  # fmt: skip
-        msg = prefill_worker_pb2.PrefillRequest(request_id=rid,
-                                                prompt_token_ids=request.prompt_token_ids,
-                                                sampling_params=request.sampling_params,
-                                                resumed=resumed)  # fmt: skip
+    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:
+        msg = prefill_worker_pb2.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            resumed=resumed,
+        )
         tried: dict[str, Failed] = {}
         for attempt in range(self.config.max_attempts):
             cand = await self._pick("prefill", tried, route)
             stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
             call = stub.Prefill(msg)
             try:
-                with (self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
-                      self._cut_if_gone(cand.record, call) as gone):  # fmt: skip
+                with (
+                    self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
+                    self._cut_if_gone(cand.record, call) as gone,
+                ):
                     try:
                         return await call, cand.record
                     except asyncio.CancelledError:
@@ -312,8 +350,10 @@ class Scheduler(Service):
             call = stub.Decode(msg)
             streamed = False
             try:
-                with (self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1),
-                      self._cut_if_gone(cand.record, call) as gone):  # fmt: skip
+                with (
+                    self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1),
+                    self._cut_if_gone(cand.record, call) as gone,
+                ):
                     try:
                         async for chunk in call:
                             streamed = True
@@ -355,8 +395,11 @@ class Scheduler(Service):
             if tried:  # every worker failed: the last failure says why
                 raise list(tried.values())[-1]
             raise Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
-        pick = {"prefill": self.policy.pick_prefill, "decode": self.policy.pick_decode,
-                "aggregated": self.policy.pick_aggregated}[role]  # fmt: skip
+        pick = {
+            "prefill": self.policy.pick_prefill,
+            "decode": self.policy.pick_decode,
+            "aggregated": self.policy.pick_aggregated,
+        }[role]
         chosen = pick(cands, route)
         metrics.EXPECTED_CACHED_TOKENS.inc(chosen.cached_blocks * route.block_size)
         return chosen
@@ -405,46 +448,68 @@ def _gone_error(stage: str, worker_id: str) -> grpc.aio.AioRpcError:
     """A call cut under _cut_if_gone fails UNAVAILABLE, as if its connection had dropped: it
     is retried, or moved, like one."""
     why = f"{stage} worker {worker_id} left the registry (no heartbeat) while serving this call"
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                grpc.aio.Metadata(), details=why)  # fmt: skip
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=why
+    )
 
 
 def _decode_request(
-    request: scheduler_pb2.GenerateRequest, rid: str, result: prefill_worker_pb2.PrefillResult,
+    request: scheduler_pb2.GenerateRequest,
+    rid: str,
+    result: prefill_worker_pb2.PrefillResult,
     resumed: common_pb2.Resumed | None,
-) -> decode_worker_pb2.DecodeRequest:  # fmt: skip
+) -> decode_worker_pb2.DecodeRequest:
     """The Decode that continues a prefill: its first token and the handle of its KV."""
     first = result.first
     params = common_pb2.SamplingParams()
     params.CopyFrom(request.sampling_params)
     params.ClearField("prompt_logprobs")  # the prefill worker sent them with the first token
     return decode_worker_pb2.DecodeRequest(
-        request_id=rid, prompt_token_ids=request.prompt_token_ids,
-        sampling_params=params, first_token_id=first.token_ids[0],
+        request_id=rid,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=params,
+        first_token_id=first.token_ids[0],
         first_logprobs=first.logprobs[0] if first.logprobs else None,
-        kv_handle=result.kv_handle, num_cached_tokens=first.usage.cached_tokens,
+        kv_handle=result.kv_handle,
+        num_cached_tokens=first.usage.cached_tokens,
         resumed=resumed,
-    )  # fmt: skip
+    )
 
 
 def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
     r = view.record
     info = common_pb2.WorkerInfo(
-        worker_id=r.worker_id, role=r.role, address=r.address, kv_address=r.kv_address,
-        kv_transport=r.kv_transport, model=r.model, model_fingerprint=r.model_fingerprint,
-        max_model_len=r.max_model_len, block_size=r.block_size, num_kv_blocks=r.num_kv_blocks,
-        metrics_port=r.metrics_port, dep_group=r.dep_group, dep_rank=r.dep_rank, pid=r.pid,
+        worker_id=r.worker_id,
+        role=r.role,
+        address=r.address,
+        kv_address=r.kv_address,
+        kv_transport=r.kv_transport,
+        model=r.model,
+        model_fingerprint=r.model_fingerprint,
+        max_model_len=r.max_model_len,
+        block_size=r.block_size,
+        num_kv_blocks=r.num_kv_blocks,
+        metrics_port=r.metrics_port,
+        dep_group=r.dep_group,
+        dep_rank=r.dep_rank,
+        pid=r.pid,
         started_at=r.started_at,
-    )  # fmt: skip
+    )
     out = scheduler_pb2.WorkerStatus(info=info)
     if view.load is not None:
         ld = view.load
-        out.load.CopyFrom(common_pb2.LoadReport(
-            running=ld.running, waiting=ld.waiting, queued_prefill_tokens=ld.queued_prefill_tokens,
-            free_kv_blocks=ld.free_kv_blocks, total_kv_blocks=ld.total_kv_blocks,
-            cached_kv_blocks=ld.cached_kv_blocks, step_time_s=ld.step_time_s,
-            updated_at=ld.updated_at,
-        ))  # fmt: skip
+        out.load.CopyFrom(
+            common_pb2.LoadReport(
+                running=ld.running,
+                waiting=ld.waiting,
+                queued_prefill_tokens=ld.queued_prefill_tokens,
+                free_kv_blocks=ld.free_kv_blocks,
+                total_kv_blocks=ld.total_kv_blocks,
+                cached_kv_blocks=ld.cached_kv_blocks,
+                step_time_s=ld.step_time_s,
+                updated_at=ld.updated_at,
+            )
+        )
     return out
 
 

@@ -44,8 +44,17 @@ def redis() -> Iterator[RedisServer]:
 
 @contextmanager
 def up(redis: RedisServer, checkpoint: Path, *args: str, cluster: str) -> Iterator[Cluster]:
-    with ferry_up(redis.url, *args, "--model", str(checkpoint), "--num-kv-blocks",
-                  str(NUM_BLOCKS), "--worker-args", WORKER_ARGS, cluster=cluster) as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        *args,
+        "--model",
+        str(checkpoint),
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--worker-args",
+        WORKER_ARGS,
+        cluster=cluster,
+    ) as c:
         yield c
 
 
@@ -60,24 +69,27 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def expected(checkpoint: Path, ps: list[list[int]], n: int) -> list[list[int]]:
-    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
-                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    )
     outs = engine.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return [o.token_ids for o in outs]
 
 
 def run_all(address: str, ps: list[list[int]], n: int) -> list[Result]:
     async def main() -> list[Result]:
-        return list(await asyncio.gather(*(generate(address, p, greedy(n, ignore_eos=True))
-                                           for p in ps)))  # fmt: skip
+        return list(
+            await asyncio.gather(*(generate(address, p, greedy(n, ignore_eos=True)) for p in ps))
+        )
 
     return asyncio.run(main())
 
 
 def blocks_free(c: Cluster) -> bool:
     loads = [v.load for v in c.views() if v.record.role != "scheduler"]
-    return bool(loads) and all(ld is not None and ld.free_kv_blocks == ld.total_kv_blocks
-                               for ld in loads)  # fmt: skip
+    return bool(loads) and all(
+        ld is not None and ld.free_kv_blocks == ld.total_kv_blocks for ld in loads
+    )
 
 
 def paths(c: Cluster) -> dict[str, float]:
@@ -87,8 +99,11 @@ def paths(c: Cluster) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     prefix = 'ferry_scheduler_path_requests_total{path="'
-    return {ln[len(prefix) :].split('"')[0]: float(ln.split()[-1])
-            for ln in text.splitlines() if ln.startswith(prefix)}  # fmt: skip
+    return {
+        ln[len(prefix) :].split('"')[0]: float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln.startswith(prefix)
+    }
 
 
 def test_only_aggregated_workers_are_started(aggregated: Cluster) -> None:
@@ -112,9 +127,14 @@ def test_cancel_mid_stream_frees_the_blocks(aggregated: Cluster) -> None:
     async def main() -> None:
         async with grpc.aio.insecure_channel(aggregated.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
-                prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)))
-                for p in prompts(4)]  # fmt: skip
+            calls = [
+                stub.Generate(
+                    scheduler_pb2.GenerateRequest(
+                        prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)
+                    )
+                )
+                for p in prompts(4)
+            ]
             for call in calls:
                 for _ in range(3):
                     await call.read()
@@ -135,8 +155,19 @@ def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
     ps = prompts(6)
     ref = expected(checkpoint, ps, 8)
     # --restart never: aggregated-0 stays down, so every request after the kill takes P/D
-    with up(redis, checkpoint, "--aggregated", "1", "--prefill", "1", "--decode", "1",
-            "--restart", "never", cluster="mixed") as c:  # fmt: skip
+    with up(
+        redis,
+        checkpoint,
+        "--aggregated",
+        "1",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--restart",
+        "never",
+        cluster="mixed",
+    ) as c:
         before = run_all(c.scheduler, ps, 8)
         assert paths(c) == {"aggregated": 6.0}
         c.signal("aggregated-0", signal.SIGKILL)  # its calls fail UNAVAILABLE: P/D takes them
@@ -175,8 +206,16 @@ def test_a_killed_private_redis_is_restarted_and_the_services_re_register() -> N
     """Without --redis-url `ferry up` runs its own redis-server. Killed, it is started again on
     its port, empty; every service writes its record again on its next heartbeat, and requests
     are served."""
-    with ferry_up("", "--aggregated", "1", "--model", "tiny", "--worker-args", WORKER_ARGS,
-                  cluster="own-redis") as c:  # fmt: skip
+    with ferry_up(
+        "",
+        "--aggregated",
+        "1",
+        "--model",
+        "tiny",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="own-redis",
+    ) as c:
         client = Redis.from_url(c.redis_url)
         pid = int(client.info("server")["process_id"])
         client.close()

@@ -57,9 +57,24 @@ def redis() -> Iterator[RedisServer]:
 def cluster_a(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
     """Keepalive 60 s: a hung worker is found by its heartbeat key expiring (3 s), not by the
     connection's pings (cluster B, at the 3 s default, is found by whichever comes first)."""
-    with ferry_up(redis.url, "--prefill", "1", "--decode", "2", "--model", str(checkpoint),
-                  "--num-kv-blocks", str(NUM_BLOCKS), "--worker-args", WORKER_ARGS,
-                  "--migration-limit", "1", "--keepalive", "60", cluster="a") as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--model",
+        str(checkpoint),
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--worker-args",
+        WORKER_ARGS,
+        "--migration-limit",
+        "1",
+        "--keepalive",
+        "60",
+        cluster="a",
+    ) as c:
         yield c
 
 
@@ -68,8 +83,14 @@ def prompts(n: int) -> list[list[int]]:
 
 
 def seeded(seed: int, max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.8, top_p=0.95, frequency_penalty=0.3, seed=seed,
-                          max_tokens=max_tokens, ignore_eos=True)  # fmt: skip
+    return SamplingParams(
+        temperature=0.8,
+        top_p=0.95,
+        frequency_penalty=0.3,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
 
 
 def run(*coros: object) -> list[Result]:
@@ -85,12 +106,21 @@ def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
     """Half the requests greedy, half seeded: a seeded request draws its first token on the
     prefill worker and the rest on a decode worker, and gets the tokens it gets in one engine."""
     ps = prompts(16)
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) if i % 2 else
-              seeded(100 + i, 12) for i in range(16)]  # fmt: skip
-    results = run(*(generate(cluster_a.scheduler, p, sampling_params_to_pb(sp))
-                    for p, sp in zip(ps, params, strict=True)))  # fmt: skip
-    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
-                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        if i % 2
+        else seeded(100 + i, 12)
+        for i in range(16)
+    ]
+    results = run(
+        *(
+            generate(cluster_a.scheduler, p, sampling_params_to_pb(sp))
+            for p, sp in zip(ps, params, strict=True)
+        )
+    )
+    engine = Engine(
+        EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    )
     expected = engine.generate(ps, params)
     for res, ref in zip(results, expected, strict=True):
         assert res.code is None, res.details
@@ -101,9 +131,11 @@ def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
 
 
 def test_every_service_serves_prometheus_metrics(cluster_a: Cluster) -> None:
-    expect = {"scheduler": "ferry_time_to_first_token_seconds_count",
-              "prefill": "ferry_prefill_requests_total",
-              "decode": "ferry_decode_tokens_per_message_count"}  # fmt: skip
+    expect = {
+        "scheduler": "ferry_time_to_first_token_seconds_count",
+        "prefill": "ferry_prefill_requests_total",
+        "decode": "ferry_decode_tokens_per_message_count",
+    }
     for view in cluster_a.views():
         r = view.record
         url = f"http://127.0.0.1:{r.metrics_port}/metrics"
@@ -126,8 +158,11 @@ def test_first_token_arrives_before_decode_starts(cluster_a: Cluster) -> None:
                 from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
-                call = stub.Generate(scheduler_pb2.GenerateRequest(
-                    prompt_token_ids=prompts(3)[2], sampling_params=greedy(8, ignore_eos=True)))  # fmt: skip
+                call = stub.Generate(
+                    scheduler_pb2.GenerateRequest(
+                        prompt_token_ids=prompts(3)[2], sampling_params=greedy(8, ignore_eos=True)
+                    )
+                )
                 started = time.monotonic()
                 first = await asyncio.wait_for(call.read(), 2.0)
                 waited = time.monotonic() - started
@@ -145,9 +180,14 @@ def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster_a: Cluster) -> N
 
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
-                prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)))
-                for p in prompts(4)]  # fmt: skip
+            calls = [
+                stub.Generate(
+                    scheduler_pb2.GenerateRequest(
+                        prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)
+                    )
+                )
+                for p in prompts(4)
+            ]
             for call in calls:
                 for _ in range(3):
                     await call.read()
@@ -168,8 +208,11 @@ def test_cancel_between_prefill_and_decode_releases_the_lease(cluster_a: Cluster
         with cluster_a.stopped("decode-0", "decode-1"):
             async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
                 stub = scheduler_pb2_grpc.SchedulerStub(ch)
-                call = stub.Generate(scheduler_pb2.GenerateRequest(
-                    prompt_token_ids=prompts(6)[5], sampling_params=greedy(20)))  # fmt: skip
+                call = stub.Generate(
+                    scheduler_pb2.GenerateRequest(
+                        prompt_token_ids=prompts(6)[5], sampling_params=greedy(20)
+                    )
+                )
                 await asyncio.wait_for(call.read(), 2.0)
                 call.cancel()
                 await asyncio.sleep(0.3)
@@ -207,13 +250,25 @@ def test_a_resumed_request_goes_on_and_counts_the_whole_request(cluster_a: Clust
     (ref,) = run(generate(cluster_a.scheduler, prompt, greedy(10, ignore_eos=True)))
     assert ref.usage == (len(prompt), 10)
     resumed = common_pb2.Resumed(num_output_tokens=3)
-    (rest,) = run(generate(cluster_a.scheduler, [*prompt, *ref.token_ids[:3]],
-                           greedy(7, ignore_eos=True), resumed=resumed))  # fmt: skip
+    (rest,) = run(
+        generate(
+            cluster_a.scheduler,
+            [*prompt, *ref.token_ids[:3]],
+            greedy(7, ignore_eos=True),
+            resumed=resumed,
+        )
+    )
     assert rest.code is None, rest.details
     assert rest.token_ids == ref.token_ids[3:]
     assert rest.usage == (len(prompt), 10)
-    (bad,) = run(generate(cluster_a.scheduler, [1, 2, 3], greedy(4),
-                          resumed=common_pb2.Resumed(num_output_tokens=3)))  # fmt: skip
+    (bad,) = run(
+        generate(
+            cluster_a.scheduler,
+            [1, 2, 3],
+            greedy(4),
+            resumed=common_pb2.Resumed(num_output_tokens=3),
+        )
+    )
     assert bad.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "must be less than the 3 prompt tokens" in bad.details
     cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 5)
@@ -232,16 +287,33 @@ def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluste
     """`ferry serve scheduler` on its own, against cluster A's Redis: no request state is
     shared, so both replicas route to the same workers."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ferry.infra.cli", "serve", "scheduler", "--worker-id", "scheduler-1",
-           "--port", str(port), "--redis-url", cluster_a.redis_url, "--cluster", "a"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.infra.cli",
+        "serve",
+        "scheduler",
+        "--worker-id",
+        "scheduler-1",
+        "--port",
+        str(port),
+        "--redis-url",
+        cluster_a.redis_url,
+        "--cluster",
+        "a",
+    ]
     proc = subprocess.Popen(cmd)
     try:
         replica = f"127.0.0.1:{port}"
         names = lambda: {v.record.worker_id for v in cluster_a.views("scheduler")}  # noqa: E731
         cluster_a.wait_for("replica registered", lambda: "scheduler-1" in names(), 30)
         ps = prompts(6)
-        results = run(*(generate(addr, p, greedy(6, ignore_eos=True))
-                        for addr, p in zip([replica, cluster_a.scheduler] * 3, ps, strict=True)))  # fmt: skip
+        results = run(
+            *(
+                generate(addr, p, greedy(6, ignore_eos=True))
+                for addr, p in zip([replica, cluster_a.scheduler] * 3, ps, strict=True)
+            )
+        )
         assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -258,10 +330,12 @@ def test_a_killed_scheduler_is_restarted_on_its_port(cluster_a: Cluster) -> None
     cluster_a.wait_for("scheduler-0 gone", lambda: not _accepts(host, int(port)), 10)
     with urllib.request.urlopen(f"{cluster_a.gateway}/v1/models", timeout=10) as reply:
         model = json.load(reply)["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0,
-                       "ignore_eos": True}).encode()  # fmt: skip
-    request = urllib.request.Request(f"{cluster_a.gateway}/v1/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"{cluster_a.gateway}/v1/completions", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as reply:
         assert json.load(reply)["usage"]["completion_tokens"] == 4
     back = lambda: cluster_a.said("scheduler-0 is serving again")  # noqa: E731
@@ -323,9 +397,14 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             sent_at = time.time()
-            call = stub.Generate(scheduler_pb2.GenerateRequest(
-                request_id="moved", prompt_token_ids=prompt,
-                sampling_params=sampling_params_to_pb(seeded(11, n))), timeout=60)  # fmt: skip
+            call = stub.Generate(
+                scheduler_pb2.GenerateRequest(
+                    request_id="moved",
+                    prompt_token_ids=prompt,
+                    sampling_params=sampling_params_to_pb(seeded(11, n)),
+                ),
+                timeout=60,
+            )
             tokens, text, finish, killed_after, busy = [], "", "", 0, ""
             async for chunk in call:
                 assert chunk.request_id == "moved"  # not the moved part's worker-side id
@@ -349,8 +428,9 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
         for worker in stopped:
             cluster_a.signal(worker, signal.SIGCONT)
     assert killed_after < n - 100, killed_after  # it was killed mid-stream
-    engine = Engine(EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE,
-                                 num_kv_blocks=NUM_BLOCKS))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    )
     (ref,) = engine.generate([prompt], seeded(11, n))
     assert (tokens, text, finish) == (ref.token_ids, ref.text, "length")
     assert cluster_a.logged(MIGRATING)
@@ -367,8 +447,11 @@ def _streaming_decode_worker(cluster: Cluster, since: float) -> str:
     """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        busy = [v.record.worker_id for v in cluster.views("decode")
-                if v.load and v.load.running and v.load.updated_at > since]  # fmt: skip
+        busy = [
+            v.record.worker_id
+            for v in cluster.views("decode")
+            if v.load and v.load.running and v.load.updated_at > since
+        ]
         if busy:
             return busy[0]
         time.sleep(0.05)
@@ -406,9 +489,15 @@ def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
     async def main() -> tuple[list[int], float, int, int]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            calls = [stub.Generate(scheduler_pb2.GenerateRequest(
-                prompt_token_ids=p, sampling_params=greedy(64, ignore_eos=True)), timeout=30)
-                for p in prompts(4)]  # fmt: skip
+            calls = [
+                stub.Generate(
+                    scheduler_pb2.GenerateRequest(
+                        prompt_token_ids=p, sampling_params=greedy(64, ignore_eos=True)
+                    ),
+                    timeout=30,
+                )
+                for p in prompts(4)
+            ]
             counts = []
             for call in calls:  # the first token, then one from decode-0
                 counts.append(sum([len((await call.read()).token_ids) for _ in range(2)]))
@@ -445,10 +534,24 @@ def test_killed_prefill_worker_retries_what_streamed_nothing(
     """prefill-0 is stopped with requests queued, then killed: those retry on prefill-1. One
     request whose first token came from prefill-0 but whose KV was never pulled (its decode
     worker was stopped) ends with UNAVAILABLE."""
-    with ferry_up(redis.url, "--prefill", "2", "--decode", "1", "--model", str(checkpoint),
-                  "--num-kv-blocks", str(NUM_BLOCKS), "--kv-transport", "grpc",
-                  "--routing-policy", "round_robin", "--worker-args", WORKER_ARGS,
-                  cluster="b") as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--model",
+        str(checkpoint),
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--kv-transport",
+        "grpc",
+        "--routing-policy",
+        "round_robin",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="b",
+    ) as c:
 
         async def main() -> tuple[Result, list[Result]]:
             c.signal("decode-0", signal.SIGSTOP)
@@ -456,8 +559,10 @@ def test_killed_prefill_worker_retries_what_streamed_nothing(
                 stranded = asyncio.create_task(generate(c.scheduler, prompts(2)[1], greedy(8)))
                 await asyncio.sleep(0.5)  # round robin: this one took prefill-0
                 c.signal("prefill-0", signal.SIGSTOP)
-                queued = [asyncio.create_task(generate(c.scheduler, p, greedy(5, ignore_eos=True)))
-                          for p in prompts(8)]  # fmt: skip
+                queued = [
+                    asyncio.create_task(generate(c.scheduler, p, greedy(5, ignore_eos=True)))
+                    for p in prompts(8)
+                ]
                 await asyncio.sleep(0.5)
                 c.signal("prefill-0", signal.SIGKILL)
             finally:

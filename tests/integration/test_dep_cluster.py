@@ -28,8 +28,20 @@ def redis() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="module")
 def cluster(redis: RedisServer) -> Iterator[Cluster]:
-    with ferry_up(redis.url, "--decode", "0", "--decode-dep", "2", "--num-redundant-experts", "2",
-                  "--num-kv-blocks", "256", "--worker-args", WORKER_ARGS, cluster="dep") as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        "--decode",
+        "0",
+        "--decode-dep",
+        "2",
+        "--num-redundant-experts",
+        "2",
+        "--num-kv-blocks",
+        "256",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="dep",
+    ) as c:
         yield c
 
 
@@ -72,9 +84,14 @@ def test_a_dep_group_serves_the_in_process_greedy_tokens(cluster: Cluster) -> No
     def published() -> dict[int, list[list[int]]]:
         return cluster.read(lambda state: state.expert_load(group))
 
-    cluster.wait_for("expert load published",
-                     lambda: sorted(published()) == [0, 1] and all(
-                         sum(map(sum, c)) > 0 for c in published().values()), 5)  # fmt: skip
+    cluster.wait_for(
+        "expert load published",
+        lambda: (
+            sorted(published()) == [0, 1]
+            and all(sum(map(sum, c)) > 0 for c in published().values())
+        ),
+        5,
+    )
     windows = published()
     assert len(windows[0]) == 3 and len(windows[0][0]) == 16  # MoE layers x logical experts
 
@@ -84,13 +101,27 @@ def test_a_killed_rank_fails_its_group_and_the_group_restarts(redis: RedisServer
     decode-r0's requests fail within the group timeout, the group leaves the registry, and new
     requests go to decode-0. `ferry up` then starts both ranks over as a new group (a new
     master), which serves once decode-0 is gone."""
-    with ferry_up(redis.url, "--decode", "1", "--decode-dep", "2", "--num-kv-blocks", "256",
-                  "--worker-args", WORKER_ARGS, cluster="dep-kill") as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        "--decode",
+        "1",
+        "--decode-dep",
+        "2",
+        "--num-kv-blocks",
+        "256",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="dep-kill",
+    ) as c:
         (group,) = {v.record.dep_group for v in c.views("decode") if v.record.dep_group}
 
         async def main() -> tuple[list[Result], float]:
-            tasks = [asyncio.create_task(generate(c.scheduler, p, greedy(400, ignore_eos=True),
-                                                  timeout=60)) for p in prompts(6)]  # fmt: skip
+            tasks = [
+                asyncio.create_task(
+                    generate(c.scheduler, p, greedy(400, ignore_eos=True), timeout=60)
+                )
+                for p in prompts(6)
+            ]
             await asyncio.sleep(1.5)  # every request is decoding somewhere
             c.signal("decode-r1", signal.SIGKILL)
             killed = time.monotonic()
@@ -126,9 +157,20 @@ def test_a_killed_rank_fails_its_group_and_the_group_restarts(redis: RedisServer
 
 
 def test_a_prefill_dep_group_serves_the_in_process_greedy_tokens(redis: RedisServer) -> None:
-    with ferry_up(redis.url, "--prefill", "0", "--prefill-dep", "2", "--decode", "1",
-                  "--num-kv-blocks", "256", "--worker-args", WORKER_ARGS,
-                  cluster="dep-prefill") as c:  # fmt: skip
+    with ferry_up(
+        redis.url,
+        "--prefill",
+        "0",
+        "--prefill-dep",
+        "2",
+        "--decode",
+        "1",
+        "--num-kv-blocks",
+        "256",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="dep-prefill",
+    ) as c:
         assert sorted(v.record.worker_id for v in c.views("prefill")) == [
             "prefill-r0",
             "prefill-r1",

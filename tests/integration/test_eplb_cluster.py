@@ -24,11 +24,27 @@ SKEW, TOKENS = "0.5", 128
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with redis_server() as redis, ferry_up(
-        redis.url, "--decode", "0", "--decode-dep", "2", "--num-redundant-experts", "2",
-        "--router-skew", SKEW, "--eplb-interval-steps", "0", "--num-kv-blocks", "512",
-        "--worker-args", "--block-size 16 --dep-timeout 10", cluster="eplb",
-    ) as c:  # fmt: skip
+    with (
+        redis_server() as redis,
+        ferry_up(
+            redis.url,
+            "--decode",
+            "0",
+            "--decode-dep",
+            "2",
+            "--num-redundant-experts",
+            "2",
+            "--router-skew",
+            SKEW,
+            "--eplb-interval-steps",
+            "0",
+            "--num-kv-blocks",
+            "512",
+            "--worker-args",
+            "--block-size 16 --dep-timeout 10",
+            cluster="eplb",
+        ) as c,
+    ):
         yield c
 
 
@@ -69,9 +85,12 @@ def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(cluster: Clu
         async with grpc.aio.insecure_channel(address) as ch:
             stub = eplb_pb2_grpc.EplbControllerStub(ch)
             start = await settled_rows(stub)
-            tasks = [asyncio.create_task(generate(cluster.scheduler, p,
-                                                  greedy(TOKENS, ignore_eos=True), timeout=120))
-                     for p in ps]  # fmt: skip
+            tasks = [
+                asyncio.create_task(
+                    generate(cluster.scheduler, p, greedy(TOKENS, ignore_eos=True), timeout=120)
+                )
+                for p in ps
+            ]
             # rebalance once the first reports of this traffic are in (mid-stream)
             while (await group_rows(stub))[1].sum() <= start.sum():
                 await asyncio.sleep(0.2)
@@ -95,10 +114,12 @@ def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(cluster: Clu
     assert reply.slots_moved > 0 and reply.bytes_moved > 0
     assert reply.predicted_balancedness_after > reply.predicted_balancedness_before
     # outputs: those of one in-process engine with every expert and the same skew
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=512,
-                                 router_skew=float(SKEW)))  # fmt: skip
-    expected = engine.generate(ps, SamplingParams(temperature=0, max_tokens=TOKENS,
-                                                  ignore_eos=True))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model="tiny", block_size=16, num_kv_blocks=512, router_skew=float(SKEW))
+    )
+    expected = engine.generate(
+        ps, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    )
     for i, (res, ref) in enumerate(zip(results, expected, strict=True)):
         assert res.code is None, res.details  # type: ignore[attr-defined]
         assert res.token_ids == ref.token_ids, f"request {i}"  # type: ignore[attr-defined]
@@ -144,22 +165,44 @@ def test_a_bad_placement_order_is_refused_and_changes_nothing(cluster: Cluster) 
             missing = list(current.slot_to_logical)
             missing[:] = [0] * len(missing)  # every slot holds expert 0: the others have none
             orders = [
-                (rank0.dep_group, current.num_moe_layers, current.num_slots, missing,
-                 current.version + 1),
-                (rank0.dep_group, current.num_moe_layers, current.num_slots - 1,
-                 list(current.slot_to_logical), current.version + 1),
-                (rank0.dep_group, current.num_moe_layers, current.num_slots,
-                 list(current.slot_to_logical), current.version),
-                ("other-group", current.num_moe_layers, current.num_slots,
-                 list(current.slot_to_logical), current.version + 1),
-            ]  # fmt: skip
+                (
+                    rank0.dep_group,
+                    current.num_moe_layers,
+                    current.num_slots,
+                    missing,
+                    current.version + 1,
+                ),
+                (
+                    rank0.dep_group,
+                    current.num_moe_layers,
+                    current.num_slots - 1,
+                    list(current.slot_to_logical),
+                    current.version + 1,
+                ),
+                (
+                    rank0.dep_group,
+                    current.num_moe_layers,
+                    current.num_slots,
+                    list(current.slot_to_logical),
+                    current.version,
+                ),
+                (
+                    "other-group",
+                    current.num_moe_layers,
+                    current.num_slots,
+                    list(current.slot_to_logical),
+                    current.version + 1,
+                ),
+            ]
             codes = []
             for group, layers, slots, s2l, version in orders:
-                m = eplb_pb2.PlacementMap(version=version, num_moe_layers=layers,
-                                          num_slots=slots, slot_to_logical=s2l)  # fmt: skip
+                m = eplb_pb2.PlacementMap(
+                    version=version, num_moe_layers=layers, num_slots=slots, slot_to_logical=s2l
+                )
                 try:
                     await stub.ApplyPlacement(
-                        eplb_pb2.ApplyPlacementRequest(group=group, placement=m), timeout=10)  # fmt: skip
+                        eplb_pb2.ApplyPlacementRequest(group=group, placement=m), timeout=10
+                    )
                     codes.append((grpc.StatusCode.OK, ""))
                 except grpc.aio.AioRpcError as e:
                     codes.append((e.code(), e.details() or ""))
@@ -168,10 +211,12 @@ def test_a_bad_placement_order_is_refused_and_changes_nothing(cluster: Cluster) 
             return codes
 
     codes = asyncio.run(main())
-    assert [c for c, _ in codes] == [grpc.StatusCode.INVALID_ARGUMENT,
-                                     grpc.StatusCode.INVALID_ARGUMENT,
-                                     grpc.StatusCode.FAILED_PRECONDITION,
-                                     grpc.StatusCode.INVALID_ARGUMENT], codes  # fmt: skip
+    assert [c for c, _ in codes] == [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ], codes
     assert "has no slot" in codes[0][1] and "slot entries" in codes[1][1]
     assert "not newer" in codes[2][1] and "other-group" in codes[3][1]
     res = asyncio.run(generate(cluster.scheduler, prompts(1)[0], greedy(4, ignore_eos=True)))

@@ -21,14 +21,22 @@ from tests.redis_server import redis_server
 
 
 def _rank(rank: int, pid: int, started_at: float) -> WorkerRecord:
-    return WorkerRecord(worker_id=f"decode-r{rank}", role="decode", address="127.0.0.1:1",
-                        model="tiny", dep_group="g", dep_rank=rank, pid=pid,
-                        started_at=started_at)  # fmt: skip
+    return WorkerRecord(
+        worker_id=f"decode-r{rank}",
+        role="decode",
+        address="127.0.0.1:1",
+        model="tiny",
+        dep_group="g",
+        dep_rank=rank,
+        pid=pid,
+        started_at=started_at,
+    )
 
 
 async def _report(state: ClusterState, rank: int, step: int, rows: list[int]) -> None:
-    snapshot = ExpertLoadReport(counts=[[0]], steps_total=step, snapshots=[[step, rows]],
-                                updated_at=time.time())  # fmt: skip
+    snapshot = ExpertLoadReport(
+        counts=[[0]], steps_total=step, snapshots=[[step, rows]], updated_at=time.time()
+    )
     await state.publish_expert_load("g", rank, snapshot)
 
 

@@ -31,13 +31,18 @@ def placement(size: int, rank: int, redundant: int) -> ExpertPlacement:
         gen = torch.Generator().manual_seed(100 + layer)
         logical = torch.cat([torch.arange(NUM_EXPERTS), torch.arange(redundant) * 3 % NUM_EXPERTS])
         rows.append(logical[torch.randperm(len(logical), generator=gen)])
-    return ExpertPlacement(slot_to_logical=torch.stack(rows), num_logical_experts=NUM_EXPERTS,
-                           ep_size=size, ep_rank=rank)  # fmt: skip
+    return ExpertPlacement(
+        slot_to_logical=torch.stack(rows),
+        num_logical_experts=NUM_EXPERTS,
+        ep_size=size,
+        ep_rank=rank,
+    )
 
 
 def prompts_of(rank: int) -> list[list[int]]:
-    return [[(13 * rank + 7 * j + k) % 250 + 1 for k in range(9 + 17 * j + 5 * rank)]
-            for j in range(3)]  # fmt: skip
+    return [
+        [(13 * rank + 7 * j + k) % 250 + 1 for k in range(9 + 17 * j + 5 * rank)] for j in range(3)
+    ]
 
 
 def _rank(rank: int, size: int, master: str, redundant: int) -> None:
@@ -92,8 +97,10 @@ def _engine_rank(rank: int, size: int, master: str, redundant: int) -> None:
         # 16 requests spread over the ranks; lengths differ by rank, so ranks finish at
         # different steps and then run idle MoE passes while the others still decode
         mine = [p for i, p in enumerate(all_prompts()) if i % size == rank]
-        params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i + 5 * rank, ignore_eos=True)
-                  for i in range(len(mine))]  # fmt: skip
+        params = [
+            SamplingParams(temperature=0, max_tokens=4 + 2 * i + 5 * rank, ignore_eos=True)
+            for i in range(len(mine))
+        ]
         got = [o.token_ids for o in engine.generate(mine, params)]
         want = [o.token_ids for o in Engine(config).generate(mine, params)]
         assert got == want

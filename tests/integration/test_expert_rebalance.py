@@ -38,8 +38,10 @@ def _rank(rank: int, size: int, master: str) -> None:
         start = ExpertPlacement(shuffled(1), NUM_EXPERTS, size, rank)
         engine = Engine(config, start, group)
         prompts = [[(11 * i + 5 * k + rank) % 250 + 1 for k in range(5 + 9 * i)] for i in range(6)]
-        params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True)
-                  for i in range(len(prompts))]  # fmt: skip
+        params = [
+            SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
         target = shuffled(50)

@@ -38,10 +38,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint: Path) -> Iterator[Cluster]:
-    with redis_server() as redis, ferry_up(redis.url, "--model", str(checkpoint),
-                                           "--num-kv-blocks", "256", "--schedulers", "2",
-                                           "--migration-limit", "1", "--worker-args",
-                                           WORKER_ARGS, cluster="gw") as c:  # fmt: skip
+    with (
+        redis_server() as redis,
+        ferry_up(
+            redis.url,
+            "--model",
+            str(checkpoint),
+            "--num-kv-blocks",
+            "256",
+            "--schedulers",
+            "2",
+            "--migration-limit",
+            "1",
+            "--worker-args",
+            WORKER_ARGS,
+            cluster="gw",
+        ) as c,
+    ):
         yield c
 
 
@@ -58,8 +71,13 @@ def test_completion_text_and_usage_match_the_tokens(
     client: openai.OpenAI, checkpoint: Path
 ) -> None:
     prompt = "The ferry crosses the"
-    out = client.completions.create(model=model_of(checkpoint), prompt=prompt, max_tokens=12,
-                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=model_of(checkpoint),
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     tok = load_tokenizer(checkpoint)
     (choice,) = out.choices
     assert choice.finish_reason == "length" and out.usage is not None
@@ -72,11 +90,17 @@ def test_completion_text_and_usage_match_the_tokens(
 def test_streamed_deltas_concatenate_to_the_whole_text(
     client: openai.OpenAI, checkpoint: Path
 ) -> None:
-    kw = {"model": model_of(checkpoint), "prompt": "Stream me some text", "max_tokens": 20,
-          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "Stream me some text",
+        "max_tokens": 20,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     whole = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
-                                            **kw))  # type: ignore[call-overload]  # fmt: skip
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )  # type: ignore[call-overload]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
@@ -92,10 +116,17 @@ def test_streamed_deltas_concatenate_to_the_whole_text(
 
 
 def test_chat_completion_streaming_and_not(client: openai.OpenAI, checkpoint: Path) -> None:
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Say something."}]  # fmt: skip
-    kw = {"model": model_of(checkpoint), "messages": messages, "max_completion_tokens": 10,
-          "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say something."},
+    ]
+    kw = {
+        "model": model_of(checkpoint),
+        "messages": messages,
+        "max_completion_tokens": 10,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     out = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     msg = out.choices[0].message
     assert msg.role == "assistant" and out.choices[0].finish_reason == "length"
@@ -134,8 +165,13 @@ def test_logit_bias_steers_every_token_prefill_and_decode_alike(
     """The prefill worker draws the first token and the decode worker the rest: both add the
     bias. The logprobs stay those of the unbiased model."""
     tok = load_tokenizer(checkpoint)
-    kw = {"model": model_of(checkpoint), "prompt": "The ferry", "max_tokens": 5, "logprobs": 0,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "The ferry",
+        "max_tokens": 5,
+        "logprobs": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     plain = client.completions.create(temperature=0, **kw)  # type: ignore[call-overload]
     first = tok.encode(plain.choices[0].text)[-1]  # a token greedy decoding would not repeat
     forced = client.completions.create(temperature=0.8, seed=3, logit_bias={str(first): 100}, **kw)  # type: ignore[call-overload]
@@ -152,8 +188,13 @@ def test_skip_special_tokens_and_include_stop_str_in_output(
     text and a stop string end the text only with include_stop_str_in_output."""
     tok = load_tokenizer(checkpoint)
     bos = tok.decode([256], skip_special_tokens=False)
-    kw = {"model": model_of(checkpoint), "prompt": "The ferry", "max_tokens": 3,
-          "temperature": 0, "logit_bias": {"256": 100}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "The ferry",
+        "max_tokens": 3,
+        "temperature": 0,
+        "logit_bias": {"256": 100},
+    }
 
     def text(**extra: object) -> tuple[str, str | None]:
         choice = client.completions.create(**kw, extra_body={"ignore_eos": True, **extra}).choices[
@@ -183,28 +224,47 @@ def test_response_format_and_structured_outputs_constrain_the_text(
 ) -> None:
     """OpenAI's response_format and vLLM's structured_outputs reach the prefill worker (the
     first token) and the decode worker (the rest, its grammar state replayed from the first)."""
-    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "tag"],
-              "properties": {"ok": {"type": "boolean"},
-                             "tag": {"type": "string", "pattern": "^[a-z]{1,5}$"}}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["ok", "tag"],
+        "properties": {
+            "ok": {"type": "boolean"},
+            "tag": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        },
+    }
     model = model_of(checkpoint)
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
     for seed in range(3):
         reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "JSON please"}], seed=seed,
-            temperature=1.0, max_completion_tokens=100, response_format=fmt,  # type: ignore[arg-type]
-        )  # fmt: skip
+            model=model,
+            messages=[{"role": "user", "content": "JSON please"}],
+            seed=seed,
+            temperature=1.0,
+            max_completion_tokens=100,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
         choice = reply.choices[0]
         value = json.loads(choice.message.content or "")
         assert choice.finish_reason == "stop" and set(value) == {"ok", "tag"}, value
         assert isinstance(value["ok"], bool) and re.fullmatch("[a-z]{1,5}", value["tag"])
-    kw = {"model": model, "prompt": "Pick:", "max_tokens": 20, "temperature": 1.0, "n": 4,
-          "seed": 1}  # fmt: skip
+    kw = {
+        "model": model,
+        "prompt": "Pick:",
+        "max_tokens": 20,
+        "temperature": 1.0,
+        "n": 4,
+        "seed": 1,
+    }
     picks = client.completions.create(
         **kw, extra_body={"structured_outputs": {"choice": ["left", "right"]}}
     )  # type: ignore[call-overload]
     assert {c.text for c in picks.choices} <= {"left", "right"}
-    streamed = client.completions.create(**kw, stream=True,  # type: ignore[call-overload]
-                                         extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    streamed = client.completions.create(
+        **kw,
+        stream=True,  # type: ignore[call-overload]
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )
     texts = ["", "", "", ""]
     for chunk in streamed:
         for c in chunk.choices:
@@ -213,10 +273,13 @@ def test_response_format_and_structured_outputs_constrain_the_text(
     for extra, param, message in [
         ({"structured_outputs": {"regex": "(ab"}}, "response_format", "(regex) does not compile"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, None, "exactly one of"),
-        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-         None, "not both"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            None,
+            "not both",
+        ),
         ({"response_format": {"type": "json_schema"}}, None, "give json_schema exactly when"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
         body = e.value.body
@@ -224,21 +287,44 @@ def test_response_format_and_structured_outputs_constrain_the_text(
         assert param is None or body["param"] == param
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
-           "parameters": {"type": "object", "additionalProperties": False,
-                          "required": ["city", "metric"],
-                          "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-                                         "metric": {"type": "boolean"}}}}}  # fmt: skip
-CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"enum": ["utc", "cet"]}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now.",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "metric"],
+            "properties": {
+                "city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                "metric": {"type": "boolean"},
+            },
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "now",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+        },
+    },
+}
 
 
 def _valid_call(name: str, arguments: str) -> bool:
     args = json.loads(arguments)
     if name == "get_weather":
-        return (set(args) == {"city", "metric"} and isinstance(args["metric"], bool)
-                and re.fullmatch("[a-z]{1,8}", args["city"]) is not None)  # fmt: skip
+        return (
+            set(args) == {"city", "metric"}
+            and isinstance(args["metric"], bool)
+            and re.fullmatch("[a-z]{1,8}", args["city"]) is not None
+        )
     return name == "now" and args in ({"zone": "utc"}, {"zone": "cet"})
 
 
@@ -248,8 +334,13 @@ def test_a_named_or_required_tool_choice_forces_a_call_to_the_tools(
     """tool_choice naming a function makes the whole output its arguments; "required" makes it
     a list of calls to the tools: both forced by the JSON Schema, on prefill and decode alike."""
     model = model_of(checkpoint)
-    ask = {"model": model, "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-           "tools": [WEATHER, CLOCK], "temperature": 1.0, "max_completion_tokens": 200}  # fmt: skip
+    ask = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER, CLOCK],
+        "temperature": 1.0,
+        "max_completion_tokens": 200,
+    }
     named = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(3):
         reply = client.chat.completions.create(**ask, seed=seed, tool_choice=named)  # type: ignore[call-overload]
@@ -279,13 +370,21 @@ def test_auto_tool_choice_reads_deepseek_v3_calls_out_of_the_text(
     the history of a call and its answer goes back through the template, counted as /tokenize
     counts it."""
     model = model_of(checkpoint)
-    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\\n```json'
-            '\\n\\{"city":"[a-z]{1,8}","metric":(true|false)\\}\\n```<｜tool▁call▁end｜>'
-            '<｜tool▁calls▁end｜>')  # fmt: skip
+    call = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\\n```json"
+        '\\n\\{"city":"[a-z]{1,8}","metric":(true|false)\\}\\n```<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>"
+    )
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    ask = {"model": model, "messages": messages, "tools": [WEATHER, CLOCK], "seed": 3,
-           "temperature": 1.0, "max_completion_tokens": 300,
-           "extra_body": {"structured_outputs": {"regex": "Sure\\. " + call}}}  # fmt: skip
+    ask = {
+        "model": model,
+        "messages": messages,
+        "tools": [WEATHER, CLOCK],
+        "seed": 3,
+        "temperature": 1.0,
+        "max_completion_tokens": 300,
+        "extra_body": {"structured_outputs": {"regex": "Sure\\. " + call}},
+    }
     reply = client.chat.completions.create(**ask)  # type: ignore[call-overload]
     choice = reply.choices[0]
     calls = choice.message.tool_calls or []
@@ -298,16 +397,30 @@ def test_auto_tool_choice_reads_deepseek_v3_calls_out_of_the_text(
     assert content == "Sure. " and len(deltas) == 1 and deltas[0].index == 0
     assert deltas[0].function.arguments == calls[0].function.arguments  # type: ignore[union-attr]
     assert [c.finish_reason for chunk in chunks for c in chunk.choices][-1] == "tool_calls"
-    free = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER],  # type: ignore[list-item]
-                                          max_completion_tokens=8, seed=1)  # fmt: skip
+    free = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_completion_tokens=8,
+        seed=1,
+    )
     assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
-    history = [*messages, {"role": "assistant", "content": None,
-                           "tool_calls": [c.model_dump() for c in calls]},
-               {"role": "tool", "tool_call_id": calls[0].id, "content": "3C"}]  # fmt: skip
-    answer = client.chat.completions.create(model=model, messages=history, tools=[WEATHER],  # type: ignore[arg-type, list-item]
-                                            max_completion_tokens=4)  # fmt: skip
-    status, counted = _post(cluster.gateway, json.dumps({"model": model, "messages": history,
-                            "tools": [WEATHER]}).encode(), "/tokenize")  # fmt: skip
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "3C"},
+    ]
+    answer = client.chat.completions.create(
+        model=model,
+        messages=history,
+        tools=[WEATHER],  # type: ignore[arg-type, list-item]
+        max_completion_tokens=4,
+    )
+    status, counted = _post(
+        cluster.gateway,
+        json.dumps({"model": model, "messages": history, "tools": [WEATHER]}).encode(),
+        "/tokenize",
+    )
     assert status == 200 and answer.usage and counted["count"] == answer.usage.prompt_tokens
     assert answer.choices[0].message.content is not None
 
@@ -315,24 +428,54 @@ def test_auto_tool_choice_reads_deepseek_v3_calls_out_of_the_text(
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
-        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-         "'nope', which is not one of the tools (get_weather)"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "'nope', which is not one of the tools (get_weather)",
+        ),
         ({"tools": None, "tool_choice": "required"}, "tool_choice", "'required' needs tools"),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-         "give no response_format"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "give no response_format",
+        ),
         ({"tools": [WEATHER, WEATHER]}, "tools", "two tools have the same name"),
-        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name",
-         "String should match pattern"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "strin"}}}}}],
-          "tool_choice": "required"}, "tools", 'Unsupported type "strin"'),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+            "String should match pattern",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "strin"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            'Unsupported type "strin"',
+        ),
     ],
-)  # fmt: skip
+)
 def test_contradictory_or_malformed_tool_requests_are_400(
     cluster: Cluster, checkpoint: Path, extra: dict[str, Any], param: str, message: str
 ) -> None:
-    body = {"model": model_of(checkpoint), "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 4, "tools": [WEATHER], **extra}  # fmt: skip
+    body = {
+        "model": model_of(checkpoint),
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "tools": [WEATHER],
+        **extra,
+    }
     body = {k: v for k, v in body.items() if v is not None}
     status, out = _post(cluster.gateway, json.dumps(body).encode(), "/v1/chat/completions")
     assert status == 400 and out["error"]["param"] == param, out
@@ -351,16 +494,23 @@ def test_continue_final_message_goes_on_with_the_last_turn(
     body = {"model": model, "messages": messages, **options}
     status, out = _post(cluster.gateway, json.dumps(body).encode(), "/tokenize")
     assert status == 200 and out["tokens"][-5:] == tok.encode("1 2 3", add_bos=False)
-    reply = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
-                                           max_completion_tokens=3, extra_body=options)  # fmt: skip
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=3,
+        extra_body=options,
+    )
     assert reply.usage and reply.usage.prompt_tokens == out["count"]
     for extra, message in [
         ({"add_generation_prompt": True}, "continue_final_message needs add_generation_prompt"),
         ({"chat_template_kwargs": {"tools": []}}, "tools: set by the request's own fields"),
         ({"messages": [{"role": "user", "content": " "}]}, "no text to go on with"),
     ]:
-        status, err = _post(cluster.gateway, json.dumps(body | extra | {"max_tokens": 2}).encode(),
-                            "/v1/chat/completions")  # fmt: skip
+        status, err = _post(
+            cluster.gateway,
+            json.dumps(body | extra | {"max_tokens": 2}).encode(),
+            "/v1/chat/completions",
+        )
         assert status == 400 and message in err["error"]["message"], err
 
 
@@ -371,16 +521,26 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(
     counted so in the usage and echoed so; 0 or below -1 is a 400."""
     model = model_of(checkpoint)
     kw = {"model": model, "max_tokens": 2, "echo": True}
-    cut = client.completions.create(prompt="abcdefghij", **kw,  # type: ignore[call-overload]
-                                    extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+    cut = client.completions.create(
+        prompt="abcdefghij",
+        **kw,  # type: ignore[call-overload]
+        extra_body={"truncate_prompt_tokens": 4},
+    )
     assert cut.usage.prompt_tokens == 4 and cut.choices[0].text.startswith("ghij")
     assert not cut.choices[0].text.startswith("abc")
-    whole = client.completions.create(prompt="abcdefghij", **kw,  # type: ignore[call-overload]
-                                      extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    whole = client.completions.create(
+        prompt="abcdefghij",
+        **kw,  # type: ignore[call-overload]
+        extra_body={"truncate_prompt_tokens": -1},
+    )
     assert whole.usage.prompt_tokens == 11 and whole.choices[0].text.startswith("abcdefghij")
     messages = [{"role": "user", "content": "x" * 50}]
-    chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=1,  # type: ignore[arg-type]
-                                          extra_body={"truncate_prompt_tokens": 7})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_completion_tokens=1,  # type: ignore[arg-type]
+        extra_body={"truncate_prompt_tokens": 7},
+    )
     assert chat.usage and chat.usage.prompt_tokens == 7
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(prompt="abc", **kw, extra_body={"truncate_prompt_tokens": 0})  # type: ignore[call-overload]
@@ -388,8 +548,15 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(
 
 
 def test_n_choices_and_seeded_sampling_reproduce(client: openai.OpenAI, checkpoint: Path) -> None:
-    kw = {"model": model_of(checkpoint), "prompt": "Pick words:", "max_tokens": 8, "n": 2,
-          "temperature": 1.0, "seed": 1234, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "Pick words:",
+        "max_tokens": 8,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 1234,
+        "extra_body": {"ignore_eos": True},
+    }
     first = client.completions.create(**kw)  # type: ignore[call-overload]
     second = client.completions.create(**kw)  # type: ignore[call-overload]
     assert [c.index for c in first.choices] == [0, 1]
@@ -404,8 +571,14 @@ def test_a_batch_of_prompts_gives_n_choices_each_in_order(
     the same as that prompt alone; usage counts each prompt once."""
     tok = load_tokenizer(checkpoint)
     ids = tok.encode("Tokens already")
-    kw = {"model": model_of(checkpoint), "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 9,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
     alone = [client.completions.create(prompt=p, **kw) for p in ("Ship ahoy", ids)]  # type: ignore[call-overload]
     both = client.completions.create(prompt=[tok.encode("Ship ahoy"), ids], **kw)  # type: ignore[call-overload]
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
@@ -423,16 +596,24 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, checkpoint:
     not; the text is the prompt's, then the completion's."""
     tok = load_tokenizer(checkpoint)
     prompts = [tok.encode(t) for t in ("The river is wide", "and the ferry is slow to cross")]
-    kw = {"model": model_of(checkpoint), "prompt": prompts, "max_tokens": 1, "temperature": 0,
-          "logprobs": 1, "echo": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": prompts,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 1,
+        "echo": True,
+        "extra_body": {"ignore_eos": True},
+    }
     out = client.completions.create(**kw)  # type: ignore[call-overload]
     engine = Engine(EngineConfig(model=str(checkpoint), block_size=16))
     refs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
     for choice, ids, ref in zip(out.choices, prompts, refs, strict=True):
         lp = choice.logprobs
         assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
-        assert lp.tokens == [tok.decode([t], skip_special_tokens=False)
-                             for t in [*ids, *ref.token_ids]]  # fmt: skip
+        assert lp.tokens == [
+            tok.decode([t], skip_special_tokens=False) for t in [*ids, *ref.token_ids]
+        ]
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         want = [next(iter(e.values())) for e in ref.prompt_logprobs or []]
         assert lp.token_logprobs[1 : len(ids)] == pytest.approx(want, rel=1e-4, abs=1e-4)
@@ -452,8 +633,13 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, checkpoint:
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: Path) -> None:
-    kw = {"model": model_of(checkpoint), "prompt": "Count:", "max_tokens": 24, "temperature": 0,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "Count:",
+        "max_tokens": 24,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     free = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
     stop = free[5:7]
     assert len(stop) == 2
@@ -462,9 +648,14 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI, checkpoint: 
 
 
 def test_logprobs_in_both_apis(client: openai.OpenAI, checkpoint: Path) -> None:
-    out = client.completions.create(model=model_of(checkpoint), prompt="Log", max_tokens=5,
-                                    temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=model_of(checkpoint),
+        prompt="Log",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
     assert lp is not None and len(lp.tokens or []) == 5 and len(lp.token_logprobs or []) == 5
     # keyed by token text: byte tokens that are not UTF-8 on their own share "\ufffd"
@@ -472,10 +663,15 @@ def test_logprobs_in_both_apis(client: openai.OpenAI, checkpoint: Path) -> None:
     # greedy: the sampled token is the most likely one
     for sampled, top in zip(lp.token_logprobs or [], lp.top_logprobs or [], strict=True):
         assert sampled <= 0 and sampled >= max(top.values()) - 1e-5
-    chat = client.chat.completions.create(model=model_of(checkpoint), max_tokens=4,
-                                          messages=[{"role": "user", "content": "hi"}],
-                                          temperature=0, logprobs=True, top_logprobs=3,
-                                          extra_body={"ignore_eos": True})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model_of(checkpoint),
+        max_tokens=4,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content), content
@@ -584,8 +780,13 @@ def test_malformed_json_is_400(cluster: Cluster) -> None:
 def test_client_disconnect_mid_stream_frees_the_blocks(
     cluster: Cluster, client: openai.OpenAI, checkpoint: Path
 ) -> None:
-    stream = client.completions.create(model=model_of(checkpoint), prompt="Long one", stream=True,
-                                       max_tokens=800, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model=model_of(checkpoint),
+        prompt="Long one",
+        stream=True,
+        max_tokens=800,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i == 5:
             break
@@ -596,9 +797,22 @@ def test_client_disconnect_mid_stream_frees_the_blocks(
 def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     """A `ferry serve gateway` of its own (its gRPC port is kept in _GRPC_PORTS)."""
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "ferry.infra.cli", "serve", "gateway", "--port", str(port),
-           "--grpc-port", str(grpc_port), "--scheduler", scheduler, "--model", model,
-           *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.infra.cli",
+        "serve",
+        "gateway",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--scheduler",
+        scheduler,
+        "--model",
+        model,
+        *extra,
+    ]
     _GRPC_PORTS[port] = grpc_port
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
@@ -615,8 +829,9 @@ def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[
 
 
 def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
-    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--api-key", "sesame",
-                         "--max-body-bytes", "1000")  # fmt: skip
+    proc, url = _gateway(
+        cluster.scheduler, str(checkpoint), "--api-key", "sesame", "--max-body-bytes", "1000"
+    )
     try:
         status, body = _post(url, b"x" * 4000)  # refused before it is read or parsed
         assert status == 413 and body["error"]["code"] == "request_too_large"  # type: ignore[index]
@@ -646,15 +861,28 @@ def test_a_reasoning_parser_splits_thinking_from_the_answer(
     streamed, and the answer after it is read on for tool calls, here in DeepSeek-V3.1's format
     (--tool-call-parser deepseek_v31). A random model does not think by itself, so a regex
     makes it write R1's shape."""
-    call = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>'
-            '\\{"zone":"utc"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+    call = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>"
+        '\\{"zone":"utc"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     shape = "<think>\\n[a-z]{3,9}( [a-z]{2,6}){2}\\n</think>\\n\\n"
-    proc, url = _gateway(cluster.scheduler, str(checkpoint), "--reasoning-parser", "deepseek_r1",
-                         "--tool-call-parser", "deepseek_v31")  # fmt: skip
+    proc, url = _gateway(
+        cluster.scheduler,
+        str(checkpoint),
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--tool-call-parser",
+        "deepseek_v31",
+    )
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        ask = {"model": model_of(checkpoint), "messages": [{"role": "user", "content": "Why?"}],
-               "seed": 4, "temperature": 1.0, "max_completion_tokens": 400}  # fmt: skip
+        ask = {
+            "model": model_of(checkpoint),
+            "messages": [{"role": "user", "content": "Why?"}],
+            "seed": 4,
+            "temperature": 1.0,
+            "max_completion_tokens": 400,
+        }
         reply = client.chat.completions.create(
             **ask, extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}}
         )  # type: ignore[call-overload]
@@ -662,10 +890,13 @@ def test_a_reasoning_parser_splits_thinking_from_the_answer(
         thought: str = message.reasoning_content  # type: ignore[attr-defined]
         assert re.fullmatch("\n[a-z]{3,9}( [a-z]{2,6}){2}\n", thought), thought
         assert re.fullmatch("\n\nBecause [a-z]{2,8}\\.", message.content or ""), message
-        chunks = list(client.chat.completions.create(
-            **ask, stream=True,
-            extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}},
-        ))  # type: ignore[call-overload]  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(
+                **ask,
+                stream=True,
+                extra_body={"structured_outputs": {"regex": shape + "Because [a-z]{2,8}\\."}},
+            )
+        )  # type: ignore[call-overload]
         deltas = [c.delta for chunk in chunks for c in chunk.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
         assert "".join(d.content or "" for d in deltas) == message.content
@@ -734,21 +965,29 @@ def test_a_stream_whose_scheduler_dies_or_hangs_goes_on_through_the_other_replic
     SIGSTOP (no error and no tokens: the gateway's keepalive pings go unanswered and it drops
     the connection): the gateway sends the prompt + the tokens sent to the other replica, and
     the client gets the same text and usage as an undisturbed run."""
-    kw = {"model": model_of(checkpoint), "prompt": "Carry me across the water", "max_tokens": 600,
-          "temperature": 0.8, "seed": 2024, "presence_penalty": 0.2,
-          "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model_of(checkpoint),
+        "prompt": "Carry me across the water",
+        "max_tokens": 600,
+        "temperature": 0.8,
+        "seed": 2024,
+        "presence_penalty": 0.2,
+        "extra_body": {"ignore_eos": True},
+    }
     whole = client.completions.create(**kw)  # type: ignore[call-overload]
     moves = _gateway_metric(cluster, "ferry_gateway_migrations_total")
     chunks, victim = [], ""
     try:
-        stream = client.completions.create(stream=True, stream_options={"include_usage": True},
-                                           **kw)  # type: ignore[call-overload]  # fmt: skip
+        stream = client.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw
+        )  # type: ignore[call-overload]
         for chunk in stream:
             chunks.append(chunk)
             if len(chunks) == 3:
                 running = "ferry_scheduler_running_requests"
-                (victim,) = [n for n in ("scheduler-0", "scheduler-1")
-                             if cluster.metric(n, running)]  # fmt: skip
+                (victim,) = [
+                    n for n in ("scheduler-0", "scheduler-1") if cluster.metric(n, running)
+                ]
                 cluster.signal(victim, how)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == whole.choices[0].text, cluster.log_tail()
@@ -791,12 +1030,23 @@ def test_a_gateway_with_a_dead_scheduler_replica_serves_through_the_live_one(
 def test_a_full_cluster_is_429_with_retry_after(checkpoint: Path) -> None:
     """One decode slot (--max-num-seqs 1): while a long stream holds it, another request is
     refused by the decode worker, retried by the scheduler, and ends as 429."""
-    args = ("--model", str(checkpoint), "--num-kv-blocks", "256",
-            "--worker-args", f"{WORKER_ARGS} --max-num-seqs 1")  # fmt: skip
+    args = (
+        "--model",
+        str(checkpoint),
+        "--num-kv-blocks",
+        "256",
+        "--worker-args",
+        f"{WORKER_ARGS} --max-num-seqs 1",
+    )
     with redis_server() as redis, ferry_up(redis.url, *args, cluster="full") as c:
         client = openai.OpenAI(base_url=c.gateway + "/v1", api_key="x", max_retries=0)
-        holder = client.completions.create(model=str(checkpoint), prompt="hold", stream=True,
-                                           max_tokens=900, extra_body={"ignore_eos": True})  # fmt: skip
+        holder = client.completions.create(
+            model=str(checkpoint),
+            prompt="hold",
+            stream=True,
+            max_tokens=900,
+            extra_body={"ignore_eos": True},
+        )
         for i, _ in enumerate(holder):
             if i == 3:
                 break

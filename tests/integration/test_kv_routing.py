@@ -21,9 +21,21 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with redis_server() as redis, ferry_up(redis.url, "--prefill", "2", "--decode", "1",
-                                           "--model", "tiny", "--worker-args",
-                                           f"--block-size {BLOCK_SIZE}", cluster="kv") as c:  # fmt: skip
+    with (
+        redis_server() as redis,
+        ferry_up(
+            redis.url,
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--model",
+            "tiny",
+            "--worker-args",
+            f"--block-size {BLOCK_SIZE}",
+            cluster="kv",
+        ) as c,
+    ):
         yield c
 
 

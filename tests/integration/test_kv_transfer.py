@@ -41,8 +41,22 @@ LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
 def exporter_process(
     *args: str,
 ) -> Iterator[tuple[subprocess.Popen[str], list[KvHandle], list[list[int]]]]:
-    cmd = [sys.executable, "-m", "ferry.services.kv_transfer.synthetic_exporter", "--layers", str(LAYERS), "--blocks",
-           str(BLOCKS), "--block-size", str(BS), "--dim", str(DIM), "--seed", str(SEED), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.kv_transfer.synthetic_exporter",
+        "--layers",
+        str(LAYERS),
+        "--blocks",
+        str(BLOCKS),
+        "--block-size",
+        str(BS),
+        "--dim",
+        str(DIM),
+        "--seed",
+        str(SEED),
+        *args,
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -194,12 +208,26 @@ def test_ucx_peers_killed_while_bytes_move() -> None:
     Both importers are child processes: a peer killed in the middle of a shared-memory transfer
     can leave the survivor's UCX worker unable to reach new peers (see ucx.UCX_DEFAULTS), and
     this process goes on to test other transfers."""
-    args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS),
-            "--sizes", ",".join(["256"] * 400), "--contiguous", "--reuse-blocks"]  # fmt: skip
+    args = [
+        "--transport",
+        "ucx",
+        "--dim",
+        str(WIDE_DIM),
+        "--blocks",
+        str(WIDE_BLOCKS),
+        "--sizes",
+        ",".join(["256"] * 400),
+        "--contiguous",
+        "--reuse-blocks",
+    ]
     shape = [str(x) for x in (LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)]
     with exporter_process(*args) as (proc, handles, srcs):
-        child = subprocess.Popen([sys.executable, "-c", PULL_FOREVER, *shape],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", PULL_FOREVER, *shape],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write("".join(h.to_json() + "\n" for h in handles[:300]))
         child.stdin.close()
@@ -211,8 +239,12 @@ def test_ucx_peers_killed_while_bytes_move() -> None:
         time.sleep(0.5)
         assert proc.poll() is None, "the exporter died with its importer"
 
-        survivor = subprocess.Popen([sys.executable, "-c", SURVIVE_EXPORTER, *shape, str(SEED)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        survivor = subprocess.Popen(
+            [sys.executable, "-c", SURVIVE_EXPORTER, *shape, str(SEED)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert survivor.stdin is not None and survivor.stdout is not None
             survivor.stdin.write(json.dumps(srcs[300]) + "\n")
@@ -244,8 +276,11 @@ def test_ucx_in_place_and_staged_sides_arrive_bit_exact(src: str) -> None:
     every combination lands the same bytes, and an in-place receive takes no staging buffer."""
     gen = torch.Generator().manual_seed(11)
     dsts = {"one run": list(range(100, 164)), "two runs": [*range(10, 42), *range(200, 232)]}
-    free = [b for b in torch.randperm(WIDE_BLOCKS, generator=gen).tolist()
-            if not any(b in d for d in dsts.values())]  # fmt: skip
+    free = [
+        b
+        for b in torch.randperm(WIDE_BLOCKS, generator=gen).tolist()
+        if not any(b in d for d in dsts.values())
+    ]
     dsts["fragmented"] = free[:64]
     args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS)]
     args += ["--sizes", ",".join(["64"] * len(dsts))]
@@ -255,9 +290,13 @@ def test_ucx_in_place_and_staged_sides_arrive_bit_exact(src: str) -> None:
     with exporter_process(*args) as (_, handles, srcs):
         cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
         imp = KvImporter(
-            create_transport("ucx"), cache, KVCacheManager(WIDE_BLOCKS, BS), WIDE,
-            transfer_timeout=10.0, verify_checksum=True,
-        )  # fmt: skip
+            create_transport("ucx"),
+            cache,
+            KVCacheManager(WIDE_BLOCKS, BS),
+            WIDE,
+            transfer_timeout=10.0,
+            verify_checksum=True,
+        )
 
         async def run() -> dict[str, int]:
             staged_after = {}
@@ -347,10 +386,16 @@ def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
         return float(metrics.FAILED_TRANSFERS.labels("ucx", "connect_timeout")._value.get())
 
     async def pull(port: int) -> tuple[str, float]:
-        imp = KvImporter(UcxTransport(connect_timeout=3.0), torch.zeros(LAYERS, 4, BS, DIM),
-                         KVCacheManager(4, BS), LAYOUT, transfer_timeout=10.0)  # fmt: skip
-        handle = KvHandle(uuid.uuid4().hex, "prefill-x", "127.0.0.1", port, 16, BS, 1, LAYOUT,
-                          time.time() + 30)  # fmt: skip
+        imp = KvImporter(
+            UcxTransport(connect_timeout=3.0),
+            torch.zeros(LAYERS, 4, BS, DIM),
+            KVCacheManager(4, BS),
+            LAYOUT,
+            transfer_timeout=10.0,
+        )
+        handle = KvHandle(
+            uuid.uuid4().hex, "prefill-x", "127.0.0.1", port, 16, BS, 1, LAYOUT, time.time() + 30
+        )
         started = time.monotonic()
         try:
             with pytest.raises(TransferError) as info:
@@ -393,13 +438,18 @@ def test_the_ucx_probe_tells_a_process_that_can_no_longer_connect() -> None:
     of its own process: None while that works, a reason while it cannot. (The condition it is
     for, UCX wedged by a peer killed mid-transfer, cannot be made on demand: see
     loadtest/ucx_wedge.py for it, measured.)"""
-    child = subprocess.run([sys.executable, "-c", PROBE_WITHOUT_FDS],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    child = subprocess.run(
+        [sys.executable, "-c", PROBE_WITHOUT_FDS], capture_output=True, text=True, timeout=60
+    )
     lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, child.stdout + child.stderr
     report = json.loads(lines[0].removeprefix("RESULT "))
     assert report["healthy"] is None
     # without descriptors the handshake either never completes or fails at once, by timing
     starved = report["starved"] or ""
-    assert starved.startswith(("no UCX handshake with a listener of this process within 2.0s",
-                               "cannot open a UCX connection to this process: ")), starved  # fmt: skip
+    assert starved.startswith(
+        (
+            "no UCX handshake with a listener of this process within 2.0s",
+            "cannot open a UCX connection to this process: ",
+        )
+    ), starved

@@ -21,17 +21,42 @@ LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     # 2048 blocks hold 8 full contexts many times over, and start faster than the default
-    with redis_server() as redis, ferry_up(redis.url, "--num-kv-blocks", "2048",
-                                           cluster="smoke") as c:  # fmt: skip
+    with (
+        redis_server() as redis,
+        ferry_up(redis.url, "--num-kv-blocks", "2048", cluster="smoke") as c,
+    ):
         yield c
 
 
 def test_agentx_sessions_run_without_failures(cluster: Cluster, tmp_path: Path) -> None:
     log, stats = tmp_path / "requests.jsonl", tmp_path / "stats"
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOADTEST / "locustfile.py"), "--headless",
-           "-u", "8", "-r", "8", "-t", "20s", "-s", "60", "--host", cluster.gateway,
-           "--only-summary", "--csv", str(stats), "--agentx-log", str(log),
-           "--agentx-grpc-host", cluster.grpc, "AgentChatUser", "AgentGrpcUser"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOADTEST / "locustfile.py"),
+        "--headless",
+        "-u",
+        "8",
+        "-r",
+        "8",
+        "-t",
+        "20s",
+        "-s",
+        "60",
+        "--host",
+        cluster.gateway,
+        "--only-summary",
+        "--csv",
+        str(stats),
+        "--agentx-log",
+        str(log),
+        "--agentx-grpc-host",
+        cluster.grpc,
+        "AgentChatUser",
+        "AgentGrpcUser",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 

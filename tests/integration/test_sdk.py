@@ -25,17 +25,19 @@ from tests.redis_server import redis_server
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with redis_server() as redis, ferry_up(redis.url, "--num-kv-blocks", "256",
-                                           "--worker-args", "--block-size 16",
-                                           cluster="sdk") as c:  # fmt: skip
+    with (
+        redis_server() as redis,
+        ferry_up(
+            redis.url, "--num-kv-blocks", "256", "--worker-args", "--block-size 16", cluster="sdk"
+        ) as c,
+    ):
         yield c
 
 
 def test_generate_streams_and_complete_agrees(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
         assert [m.id for m in client.models()] == ["tiny"]
-        chunks = list(client.generate("Hello there", max_tokens=12, temperature=0,
-                                      ignore_eos=True))  # fmt: skip
+        chunks = list(client.generate("Hello there", max_tokens=12, temperature=0, ignore_eos=True))
         done = client.complete("Hello there", max_tokens=12, temperature=0, ignore_eos=True)
     assert len(chunks) >= 2 and chunks[-1].finish_reason == "length"
     assert "".join(c.text for c in chunks) == done.text
@@ -71,8 +73,14 @@ def test_logit_bias_steers_the_draws(cluster: Cluster) -> None:
 
 def test_structured_output_and_priority_through_the_sdk(cluster: Cluster) -> None:
     with FerryClient(cluster.grpc) as client:
-        out = client.complete("Pick:", max_tokens=10, temperature=1.0, seed=2, priority=-1,
-                              structured_output={"choice": {"values": ["up", "down"]}})  # fmt: skip
+        out = client.complete(
+            "Pick:",
+            max_tokens=10,
+            temperature=1.0,
+            seed=2,
+            priority=-1,
+            structured_output={"choice": {"values": ["up", "down"]}},
+        )
         with pytest.raises(InvalidRequestError, match=r"\(grammar\) does not compile"):
             client.complete("x", max_tokens=4, structured_output={"grammar": "root ::= "})
     assert out.text in ("up", "down") and out.finish_reason == "stop"
@@ -102,8 +110,9 @@ def test_errors_are_typed_with_the_server_message(cluster: Cluster) -> None:
 
 
 def test_unavailable_is_retried_then_raised() -> None:
-    with FerryClient(f"127.0.0.1:{free_port()}", max_retries=2, retry_backoff=0.1,
-                     timeout=5) as client:  # fmt: skip
+    with FerryClient(
+        f"127.0.0.1:{free_port()}", max_retries=2, retry_backoff=0.1, timeout=5
+    ) as client:
         started = time.monotonic()
         with pytest.raises(UnavailableError):
             client.complete("x", max_tokens=2)
@@ -122,9 +131,12 @@ def test_async_client_streams_concurrently_and_cancels(cluster: Cluster) -> None
     async def main() -> list[str]:
         async with AsyncFerryClient(cluster.grpc) as client:
             assert [m.id for m in await client.models()] == ["tiny"]
-            done = await asyncio.gather(*(client.complete(f"prompt {i}", max_tokens=6,
-                                                          temperature=0, ignore_eos=True)
-                                          for i in range(4)))  # fmt: skip
+            done = await asyncio.gather(
+                *(
+                    client.complete(f"prompt {i}", max_tokens=6, temperature=0, ignore_eos=True)
+                    for i in range(4)
+                )
+            )
             stream = client.generate("long", max_tokens=800, ignore_eos=True)
             async for _ in stream:
                 break

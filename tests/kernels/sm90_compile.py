@@ -72,8 +72,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "kernel.cubin")
         path.write_bytes(cubin)
-        report = subprocess.run([str(cuobjdump), "-res-usage", str(path)], capture_output=True,
-                                text=True, check=True).stdout  # fmt: skip
+        report = subprocess.run(
+            [str(cuobjdump), "-res-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
     usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", report))
     return int(usage["REG"]), int(usage["STACK"]) + int(usage["LOCAL"])
 
@@ -93,42 +94,140 @@ def deepseek_v3_builds() -> list[Build]:
     tokens = 4096
     choices = tokens * top_k
     out = [
-        build(f"rms_norm(residual={res})", rmsnorm._rms_norm_kernel, num_warps=16,
-              x_ptr=BF16, res_ptr=BF16, w_ptr=BF16, out_ptr=BF16, sum_ptr=BF16, n_cols=hidden,
-              x_stride=hidden, res_stride=hidden, out_stride=hidden, sum_stride=hidden, eps=1e-6,
-              HAS_RESIDUAL=res, BLOCK=8192)
+        build(
+            f"rms_norm(residual={res})",
+            rmsnorm._rms_norm_kernel,
+            num_warps=16,
+            x_ptr=BF16,
+            res_ptr=BF16,
+            w_ptr=BF16,
+            out_ptr=BF16,
+            sum_ptr=BF16,
+            n_cols=hidden,
+            x_stride=hidden,
+            res_stride=hidden,
+            out_stride=hidden,
+            sum_stride=hidden,
+            eps=1e-6,
+            HAS_RESIDUAL=res,
+            BLOCK=8192,
+        )
         for res in (False, True)
-    ]  # fmt: skip
-    out.append(build("moe_route", routing._moe_route_kernel,
-        logits_ptr=FP32, bias_ptr=FP32, weights_ptr=FP32, ids_ptr=I64, num_tokens=tokens,
-        num_experts=experts, logits_stride=experts, routed_scaling_factor=2.5, HAS_BIAS=True,
-        N_GROUP=8, TOPK_GROUP=4, TOP_K=top_k, RENORMALIZE=True, BLOCK_T=routing.BLOCK_T,
-        BLOCK_E=experts, BLOCK_G=8, BLOCK_K=top_k))  # fmt: skip
-    out.append(build("expert_counts", routing._expert_counts_kernel,
-        ids_ptr=I64, counts_ptr=I32, n=choices, num_experts=experts, BLOCK=1024,
-        BLOCK_E=experts))  # fmt: skip
+    ]
+    out.append(
+        build(
+            "moe_route",
+            routing._moe_route_kernel,
+            logits_ptr=FP32,
+            bias_ptr=FP32,
+            weights_ptr=FP32,
+            ids_ptr=I64,
+            num_tokens=tokens,
+            num_experts=experts,
+            logits_stride=experts,
+            routed_scaling_factor=2.5,
+            HAS_BIAS=True,
+            N_GROUP=8,
+            TOPK_GROUP=4,
+            TOP_K=top_k,
+            RENORMALIZE=True,
+            BLOCK_T=routing.BLOCK_T,
+            BLOCK_E=experts,
+            BLOCK_G=8,
+            BLOCK_K=top_k,
+        )
+    )
+    out.append(
+        build(
+            "expert_counts",
+            routing._expert_counts_kernel,
+            ids_ptr=I64,
+            counts_ptr=I32,
+            n=choices,
+            num_experts=experts,
+            BLOCK=1024,
+            BLOCK_E=experts,
+        )
+    )
     out += _fused_moe_builds(hidden, inter, experts, top_k, choices)
     dec = mla.DecodeBlocks()
-    out.append(build("mla_decode split", mla._split_kernel, num_warps=dec.num_warps,
-        num_stages=dec.num_stages,
-        q_ptr=BF16, kv_ptr=BF16, tables_ptr=I64, lens_ptr=I64, m_ptr=FP32, denom_ptr=FP32,
-        acc_ptr=FP32, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, block_size=block_size,
-        scale_log2=0.2, q_stride_b=heads * (rank + rope), q_stride_h=rank + rope,
-        kv_stride_block=block_size * (rank + rope), kv_stride_token=rank + rope,
-        table_stride=512, NUM_SPLITS=8, BLOCK_H=dec.block_h, BLOCK_N=dec.block_n, BLOCK_R=rank,
-        BLOCK_P=rope))  # fmt: skip
-    out.append(build("mla_decode merge", mla._merge_kernel,
-        m_ptr=FP32, denom_ptr=FP32, acc_ptr=FP32, out_ptr=BF16, num_heads=heads,
-        kv_lora_rank=rank, out_stride_b=heads * rank, out_stride_h=rank, NUM_SPLITS=8,
-        BLOCK_S=8, BLOCK_R=rank))  # fmt: skip
+    out.append(
+        build(
+            "mla_decode split",
+            mla._split_kernel,
+            num_warps=dec.num_warps,
+            num_stages=dec.num_stages,
+            q_ptr=BF16,
+            kv_ptr=BF16,
+            tables_ptr=I64,
+            lens_ptr=I64,
+            m_ptr=FP32,
+            denom_ptr=FP32,
+            acc_ptr=FP32,
+            num_heads=heads,
+            kv_lora_rank=rank,
+            rope_dim=rope,
+            block_size=block_size,
+            scale_log2=0.2,
+            q_stride_b=heads * (rank + rope),
+            q_stride_h=rank + rope,
+            kv_stride_block=block_size * (rank + rope),
+            kv_stride_token=rank + rope,
+            table_stride=512,
+            NUM_SPLITS=8,
+            BLOCK_H=dec.block_h,
+            BLOCK_N=dec.block_n,
+            BLOCK_R=rank,
+            BLOCK_P=rope,
+        )
+    )
+    out.append(
+        build(
+            "mla_decode merge",
+            mla._merge_kernel,
+            m_ptr=FP32,
+            denom_ptr=FP32,
+            acc_ptr=FP32,
+            out_ptr=BF16,
+            num_heads=heads,
+            kv_lora_rank=rank,
+            out_stride_b=heads * rank,
+            out_stride_h=rank,
+            NUM_SPLITS=8,
+            BLOCK_S=8,
+            BLOCK_R=rank,
+        )
+    )
     pre = prefill.PrefillBlocks()
-    out.append(build("prefill_attention", prefill._prefill_kernel, num_warps=pre.num_warps,
-        num_stages=pre.num_stages,
-        q_ptr=BF16, k_ptr=BF16, v_ptr=BF16, out_ptr=BF16, q_len=4096, ctx_len=4096, qk_dim=192,
-        v_dim=128, scale_log2=0.2, q_stride_h=192, q_stride_t=heads * 192, k_stride_h=192,
-        k_stride_t=heads * 192, v_stride_h=256, v_stride_t=heads * 256,
-        out_stride_t=heads * 128, out_stride_h=128, BLOCK_M=pre.block_m,
-        BLOCK_N=pre.block_n, BLOCK_D=256, BLOCK_DV=128))  # fmt: skip
+    out.append(
+        build(
+            "prefill_attention",
+            prefill._prefill_kernel,
+            num_warps=pre.num_warps,
+            num_stages=pre.num_stages,
+            q_ptr=BF16,
+            k_ptr=BF16,
+            v_ptr=BF16,
+            out_ptr=BF16,
+            q_len=4096,
+            ctx_len=4096,
+            qk_dim=192,
+            v_dim=128,
+            scale_log2=0.2,
+            q_stride_h=192,
+            q_stride_t=heads * 192,
+            k_stride_h=192,
+            k_stride_t=heads * 192,
+            v_stride_h=256,
+            v_stride_t=heads * 256,
+            out_stride_t=heads * 128,
+            out_stride_h=128,
+            BLOCK_M=pre.block_m,
+            BLOCK_N=pre.block_n,
+            BLOCK_D=256,
+            BLOCK_DV=128,
+        )
+    )
     return out
 
 
@@ -137,39 +236,125 @@ def _fused_moe_builds(hidden: int, inter: int, experts: int, top_k: int, n: int)
     for per_slot in (2, 32, 64, 128):  # decode to prefill: every tiling the default picks
         b = moe.MoEBlocks.default(per_slot * experts, experts)
         block_m = b.block_m
-        common = dict(BLOCK_M=block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k,
-                      num_warps=b.num_warps, num_stages=b.num_stages)  # fmt: skip
-        out.append(build(f"fused_moe gate_up (block_m={block_m})", moe._gate_up_kernel,
-            x_ptr=BF16, w13_ptr=BF16, act_ptr=BF16, sorted_ptr=I32, block_slot_ptr=I32,
-            num_choices=n, hidden=hidden, inter=inter, x_stride=hidden,
-            w_stride_s=2 * inter * hidden, w_stride_n=hidden, w_stride_k=1, act_stride=inter,
-            TOP_K=top_k, **common))  # fmt: skip
-        out.append(build(f"fused_moe down (block_m={block_m})", moe._down_kernel,
-            act_ptr=BF16, w2_ptr=BF16, weights_ptr=FP32, y_ptr=BF16, sorted_ptr=I32,
-            block_slot_ptr=I32, num_choices=n, hidden=hidden, inter=inter, act_stride=inter,
-            w_stride_s=hidden * inter, w_stride_n=inter, w_stride_k=1, y_stride=hidden,
-            **common))  # fmt: skip
+        common = dict(
+            BLOCK_M=block_m,
+            BLOCK_N=b.block_n,
+            BLOCK_K=b.block_k,
+            num_warps=b.num_warps,
+            num_stages=b.num_stages,
+        )
+        out.append(
+            build(
+                f"fused_moe gate_up (block_m={block_m})",
+                moe._gate_up_kernel,
+                x_ptr=BF16,
+                w13_ptr=BF16,
+                act_ptr=BF16,
+                sorted_ptr=I32,
+                block_slot_ptr=I32,
+                num_choices=n,
+                hidden=hidden,
+                inter=inter,
+                x_stride=hidden,
+                w_stride_s=2 * inter * hidden,
+                w_stride_n=hidden,
+                w_stride_k=1,
+                act_stride=inter,
+                TOP_K=top_k,
+                **common,
+            )
+        )
+        out.append(
+            build(
+                f"fused_moe down (block_m={block_m})",
+                moe._down_kernel,
+                act_ptr=BF16,
+                w2_ptr=BF16,
+                weights_ptr=FP32,
+                y_ptr=BF16,
+                sorted_ptr=I32,
+                block_slot_ptr=I32,
+                num_choices=n,
+                hidden=hidden,
+                inter=inter,
+                act_stride=inter,
+                w_stride_s=hidden * inter,
+                w_stride_n=inter,
+                w_stride_k=1,
+                y_stride=hidden,
+                **common,
+            )
+        )
     chunk = moe.MoEBlocks(block_m=16).chunk
-    out.append(build("fused_moe count", moe._count_kernel, slots_ptr=I64, counts_ptr=I32,
-                     num_choices=n, num_slots=experts, CHUNK=chunk, BLOCK_S=experts))  # fmt: skip
-    out.append(build("fused_moe offsets", moe._offsets_kernel, counts_ptr=I32,
-        slot_start_ptr=I32, block_slot_ptr=I32, num_chunks=n // chunk, num_slots=experts,
-        max_blocks=n // 16 + experts, BLOCK_M=16, BLOCK_S=experts, BLOCK_B=64))  # fmt: skip
-    out.append(build("fused_moe scatter", moe._scatter_kernel, slots_ptr=I64, counts_ptr=I32,
-        slot_start_ptr=I32, sorted_ptr=I32, num_choices=n, num_slots=experts,
-        CHUNK=chunk))  # fmt: skip
-    out.append(build("fused_moe sum", moe._sum_choices_kernel, y_ptr=BF16, slots_ptr=I64,
-        out_ptr=BF16, hidden=hidden, y_stride=hidden, out_stride=hidden, TOP_K=top_k,
-        BLOCK=1024))  # fmt: skip
+    out.append(
+        build(
+            "fused_moe count",
+            moe._count_kernel,
+            slots_ptr=I64,
+            counts_ptr=I32,
+            num_choices=n,
+            num_slots=experts,
+            CHUNK=chunk,
+            BLOCK_S=experts,
+        )
+    )
+    out.append(
+        build(
+            "fused_moe offsets",
+            moe._offsets_kernel,
+            counts_ptr=I32,
+            slot_start_ptr=I32,
+            block_slot_ptr=I32,
+            num_chunks=n // chunk,
+            num_slots=experts,
+            max_blocks=n // 16 + experts,
+            BLOCK_M=16,
+            BLOCK_S=experts,
+            BLOCK_B=64,
+        )
+    )
+    out.append(
+        build(
+            "fused_moe scatter",
+            moe._scatter_kernel,
+            slots_ptr=I64,
+            counts_ptr=I32,
+            slot_start_ptr=I32,
+            sorted_ptr=I32,
+            num_choices=n,
+            num_slots=experts,
+            CHUNK=chunk,
+        )
+    )
+    out.append(
+        build(
+            "fused_moe sum",
+            moe._sum_choices_kernel,
+            y_ptr=BF16,
+            slots_ptr=I64,
+            out_ptr=BF16,
+            hidden=hidden,
+            y_stride=hidden,
+            out_stride=hidden,
+            TOP_K=top_k,
+            BLOCK=1024,
+        )
+    )
     return out
 
 
 def problems(builds: list[Build]) -> list[str]:
     """Kernels that would not launch (too much shared memory) or spill many registers."""
-    out = [f"{b.name}: {b.shared} B of shared memory > {MAX_SHARED}" for b in builds
-           if b.shared > MAX_SHARED]  # fmt: skip
-    return out + [f"{b.name}: {b.local} B of local memory (spills) > {MAX_LOCAL}" for b in builds
-                  if b.local > MAX_LOCAL]  # fmt: skip
+    out = [
+        f"{b.name}: {b.shared} B of shared memory > {MAX_SHARED}"
+        for b in builds
+        if b.shared > MAX_SHARED
+    ]
+    return out + [
+        f"{b.name}: {b.local} B of local memory (spills) > {MAX_LOCAL}"
+        for b in builds
+        if b.local > MAX_LOCAL
+    ]
 
 
 def main() -> int:

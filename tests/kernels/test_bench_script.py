@@ -25,8 +25,14 @@ def _bench(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, "-m", script, "--out", str(tmp_path / "k.json"),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", script, "--out", str(tmp_path / "k.json"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_tiny_run_checks_every_kernel_and_the_model(tmp_path: Path) -> None:

@@ -12,8 +12,15 @@ from pathlib import Path
 from ferry.kernels import dispatch
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = ("rms_norm", "add_rms_norm", "moe_route", "expert_counts", "fused_moe", "mla_decode",
-       "prefill_attention")  # fmt: skip
+OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "moe_route",
+    "expert_counts",
+    "fused_moe",
+    "mla_decode",
+    "prefill_attention",
+)
 
 
 def _python(

@@ -11,15 +11,32 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ("rms_norm", "moe_route", "expert_counts", "fused_moe gate_up", "fused_moe down",
-           "fused_moe count", "fused_moe offsets", "fused_moe scatter", "fused_moe sum",
-           "mla_decode split", "mla_decode merge", "prefill_attention")  # fmt: skip
+KERNELS = (
+    "rms_norm",
+    "moe_route",
+    "expert_counts",
+    "fused_moe gate_up",
+    "fused_moe down",
+    "fused_moe count",
+    "fused_moe offsets",
+    "fused_moe scatter",
+    "fused_moe sum",
+    "mla_decode split",
+    "mla_decode merge",
+    "prefill_attention",
+)
 
 
 def test_kernels_build_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
-    run = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_compile"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert all(name in run.stdout for name in KERNELS), run.stdout

@@ -131,15 +131,27 @@ def test_a_bad_config_or_file_is_refused(tmp_path: Path) -> None:
 
 
 def row(ttft: float, tpot: float | None, tokens: int, ok: bool = True, **kw: object) -> dict:
-    r = {"ok": ok, "sent_at": 100.0, "ttft": ttft, "tpot": tpot, "e2e": 2.0, "itl": [0.01, 0.03],
-         "completion_tokens": tokens, "prompt_tokens": 1000, "cached_tokens": 600}  # fmt: skip
+    r = {
+        "ok": ok,
+        "sent_at": 100.0,
+        "ttft": ttft,
+        "tpot": tpot,
+        "e2e": 2.0,
+        "itl": [0.01, 0.03],
+        "completion_tokens": tokens,
+        "prompt_tokens": 1000,
+        "cached_tokens": 600,
+    }
     return {**r, **kw}
 
 
 def test_level_stats_throughput_interactivity_goodput() -> None:
-    rows = [row(0.5, 0.02, 50), row(3.0, 0.02, 50, sent_at=101.0),  # TTFT over the SLO
-            row(0.5, 0.08, 50, sent_at=102.0),  # TPOT over it
-            row(0.2, None, 0, ok=False)]  # fmt: skip
+    rows = [
+        row(0.5, 0.02, 50),
+        row(3.0, 0.02, 50, sent_at=101.0),  # TTFT over the SLO
+        row(0.5, 0.08, 50, sent_at=102.0),  # TPOT over it
+        row(0.2, None, 0, ok=False),
+    ]
     st = sweep.level_stats(rows, workers=2, ttft_slo=1.0, tpot_slo=0.05)
     assert st["requests"] == 4 and st["failed"] == 1
     assert st["seconds"] == pytest.approx(4.0)  # first send at 100, last end at 102 + 2
@@ -153,12 +165,16 @@ def test_level_stats_throughput_interactivity_goodput() -> None:
 
 
 def test_server_stats_are_differences_of_counters() -> None:
-    before = {"ferry_scheduler_prompt_tokens_total": 100.0,
-              "ferry_scheduler_cached_tokens_total": 10.0,
-              'ferry_kv_transfer_bytes_total{transport="ucx"}': 5.0}  # fmt: skip
-    after = {"ferry_scheduler_prompt_tokens_total": 1100.0,
-             "ferry_scheduler_cached_tokens_total": 810.0,
-             'ferry_kv_transfer_bytes_total{transport="ucx"}': 105.0}  # fmt: skip
+    before = {
+        "ferry_scheduler_prompt_tokens_total": 100.0,
+        "ferry_scheduler_cached_tokens_total": 10.0,
+        'ferry_kv_transfer_bytes_total{transport="ucx"}': 5.0,
+    }
+    after = {
+        "ferry_scheduler_prompt_tokens_total": 1100.0,
+        "ferry_scheduler_cached_tokens_total": 810.0,
+        'ferry_kv_transfer_bytes_total{transport="ucx"}': 105.0,
+    }
     st = sweep.server_stats(before, after)
     assert st["prefix_cache_hit_rate"] == pytest.approx(0.8)
     assert st["kv_transfer_bytes"] == 100.0 and "expert_balancedness" not in st
@@ -176,8 +192,14 @@ def test_levels_get_disjoint_session_ranges() -> None:
 
 def test_plots_are_written(tmp_path: Path) -> None:
     level = {"concurrency": 1, **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0)}
-    res = {"config": "agg", "description": "one worker", "levels": [level],
-           "model": {"preset": "tiny"}, "duration_s": 30, "machine": {"cpus": 2, "note": ""}}  # fmt: skip
+    res = {
+        "config": "agg",
+        "description": "one worker",
+        "levels": [level],
+        "model": {"preset": "tiny"},
+        "duration_s": 30,
+        "machine": {"cpus": 2, "note": ""},
+    }
     (tmp_path / "serve-agg.json").write_text(json.dumps(res))
     sweep.main(["--configs", "agg", "--plot-only", "--out-dir", str(tmp_path)])
     for name in ("serve-pareto.png", "serve-ttft.png"):
@@ -185,10 +207,18 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 
 def test_the_table_has_a_row_per_level(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    levels = [{"concurrency": c, **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0),
-               "server": {"kv_usage_max": 0.05, "prefix_cache_hit_rate": 0.6,
-                          "expert_balancedness": {'ferry_expert_balancedness{group="g"}': 0.9}}}
-              for c in (1, 2)]  # fmt: skip
+    levels = [
+        {
+            "concurrency": c,
+            **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0),
+            "server": {
+                "kv_usage_max": 0.05,
+                "prefix_cache_hit_rate": 0.6,
+                "expert_balancedness": {'ferry_expert_balancedness{group="g"}': 0.9},
+            },
+        }
+        for c in (1, 2)
+    ]
     res = {"config": "1p-dep2", "worker_processes": 3, "levels": levels}
     (tmp_path / "serve-1p-dep2.json").write_text(json.dumps(res))
     sweep.main(["--configs", "1p-dep2", "--table", "--out-dir", str(tmp_path)])

@@ -115,8 +115,12 @@ def test_a_grammar_compiles_off_the_engine_thread(engine: AsyncEngine) -> None:
 
     engine.engine.grammars.compile = spy  # type: ignore[method-assign]
     try:
-        regex = SamplingParams(temperature=1.0, seed=3, max_tokens=50,
-                               structured_output=StructuredOutput("regex", "[xyz]{4}"))  # fmt: skip
+        regex = SamplingParams(
+            temperature=1.0,
+            seed=3,
+            max_tokens=50,
+            structured_output=StructuredOutput("regex", "[xyz]{4}"),
+        )
         _, text, reason = asyncio.run(_collect(engine, [1, 2, 3], regex))
         assert re.fullmatch("[xyz]{4}", text) and reason == "stop"
         bad = SamplingParams(structured_output=StructuredOutput("regex", "(x"))

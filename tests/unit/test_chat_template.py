@@ -8,24 +8,35 @@ import pytest
 from ferry.gateway.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from ferry.gateway.tools import DeepSeekV3Calls
 
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye"},
+]
 
 
 def test_default_template_uses_deepseek_turn_markers() -> None:
     text = ChatTemplate().render(MESSAGES)
-    assert text == ("Be brief.\n<｜User｜>Hi<｜Assistant｜>Hello.<｜end▁of▁sentence｜>"
-                    "<｜User｜>Bye<｜Assistant｜>")  # fmt: skip
+    assert text == (
+        "Be brief.\n<｜User｜>Hi<｜Assistant｜>Hello.<｜end▁of▁sentence｜>"
+        "<｜User｜>Bye<｜Assistant｜>"
+    )
     assert (
         not ChatTemplate().render(MESSAGES, add_generation_prompt=False).endswith("<｜Assistant｜>")
     )
 
 
 def test_checkpoint_template_and_special_tokens_come_from_tokenizer_config(tmp_path: Path) -> None:
-    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
-                "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")  # fmt: skip
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))  # fmt: skip
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+        )
+    )
     tpl = ChatTemplate.for_model(str(tmp_path))
     assert tpl.special == {"bos_token": "<s>", "eos_token": "</s>"}
     assert tpl.render(MESSAGES[:2]) == "<s>[system] Be brief.\n[user] Hi\n[assistant]"
@@ -46,12 +57,23 @@ def test_a_template_that_raises_is_a_value_error() -> None:
 def test_tools_and_tool_turns_in_deepseek_v3_format() -> None:
     """The tools come first; an assistant turn's calls and the tool turns answering them are
     written in the format gateway/tools.py reads back (consecutive tool turns: one block)."""
-    tools = [{"type": "function", "function": {"name": "f", "description": "Does f.",
-              "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "g"}}]  # fmt: skip
-    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
-             {"id": "2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]  # fmt: skip
-    messages = [{"role": "user", "content": "Go"}, {"role": "assistant", "tool_calls": calls},
-                {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "Does f.", "parameters": {"type": "object"}},
+        },
+        {"type": "function", "function": {"name": "g"}},
+    ]
+    calls = [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+        {"id": "2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+    ]
+    messages = [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "tool_calls": calls},
+        {"role": "tool", "content": "A"},
+        {"role": "tool", "content": "B"},
+    ]
     text = ChatTemplate().render(messages, tools=tools)
     head, turns = text.split("<｜User｜>")
     assert (

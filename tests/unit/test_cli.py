@@ -70,8 +70,13 @@ def test_status_lists_registered_workers() -> None:
         state = ClusterState(url, "cli")
 
         def load() -> LoadReport:  # fresh every heartbeat, as a worker's is
-            return LoadReport(running=2, free_kv_blocks=40, total_kv_blocks=64,
-                              cached_kv_blocks=8, updated_at=time.time())  # fmt: skip
+            return LoadReport(
+                running=2,
+                free_kv_blocks=40,
+                total_kv_blocks=64,
+                cached_kv_blocks=8,
+                updated_at=time.time(),
+            )
 
         await state.register(WorkerRecord("decode-7", "decode", "127.0.0.1:9"), load)
         try:
@@ -87,8 +92,18 @@ def test_status_lists_registered_workers() -> None:
     assert run.returncode == 0, run.stderr
     header, line = run.stdout.splitlines()
     assert header.split()[:4] == ["worker", "role", "address", "health"]
-    assert line.split() == ["decode-7", "decode", "127.0.0.1:9", "ok", "2", "0", "0", "24", "64",
-                            "8"]  # fmt: skip
+    assert line.split() == [
+        "decode-7",
+        "decode",
+        "127.0.0.1:9",
+        "ok",
+        "2",
+        "0",
+        "0",
+        "24",
+        "64",
+        "8",
+    ]
     assert "no workers registered in cluster 'other'" in empty.stdout
 
 
@@ -108,8 +123,15 @@ def test_status_health_says_whether_a_worker_beats_and_whether_it_drains() -> No
 def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
     from ferry.infra.cli import build_parser, cluster_spec
 
-    args = build_parser().parse_args(["up", "--worker-args", "--block-size 16 --max-num-seqs 8",
-                                      "--decode-args", "--max-num-seqs 64"])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--worker-args",
+            "--block-size 16 --max-num-seqs 8",
+            "--decode-args",
+            "--max-num-seqs 64",
+        ]
+    )
     serve = cluster_spec(args).serve_args
     assert serve["decode"][-4:] == ["--max-num-seqs", "8", "--max-num-seqs", "64"]  # the last wins
     assert serve["prefill"][-2:] == serve["aggregated"][-2:] == ["--max-num-seqs", "8"]
@@ -164,14 +186,23 @@ def test_ferry_up_gives_every_service_its_keepalive_and_heartbeat_ttl() -> None:
     [
         (["--keepalive", "0.5"], "ferry up: keepalive 0.5 s: at least 1 s"),
         (["--heartbeat-ttl", "0.1"], "ferry up: heartbeat TTL 0.1 s: at least 0.3 s"),
-        (["--decode-args", "--port 70000"], "ferry up: --worker-args / --decode-args: `ferry serve "
-         "decode` would refuse them: port=70000: must be 0..65535"),
-        (["--reasoning-parser", "r2"], "ferry up: flags: `ferry serve gateway` would refuse them: "
-         "--reasoning-parser 'r2': one of deepseek_r1, or '' for none"),
-        (["--tool-call-parser", "hermes"], "ferry up: flags: `ferry serve gateway` would refuse "
-         "them: --tool-call-parser 'hermes': one of deepseek_v3, deepseek_v31"),
+        (
+            ["--decode-args", "--port 70000"],
+            "ferry up: --worker-args / --decode-args: `ferry serve "
+            "decode` would refuse them: port=70000: must be 0..65535",
+        ),
+        (
+            ["--reasoning-parser", "r2"],
+            "ferry up: flags: `ferry serve gateway` would refuse them: "
+            "--reasoning-parser 'r2': one of deepseek_r1, or '' for none",
+        ),
+        (
+            ["--tool-call-parser", "hermes"],
+            "ferry up: flags: `ferry serve gateway` would refuse "
+            "them: --tool-call-parser 'hermes': one of deepseek_v3, deepseek_v31",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ferry_up_refuses_values_a_service_would_refuse(given: list[str], message: str) -> None:
     from ferry.infra.cli import build_parser, cluster_spec
 

@@ -19,10 +19,14 @@ def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_lim
 
 @pytest.mark.parametrize(
     "spec",
-    [StructuredOutput("json_schema", '{"type": "object"}'), StructuredOutput("json_object"),
-     StructuredOutput("regex", "[a-z]+"), StructuredOutput("choice", choices=("a", "b c")),
-     StructuredOutput("grammar", 'root ::= "x"')],
-)  # fmt: skip
+    [
+        StructuredOutput("json_schema", '{"type": "object"}'),
+        StructuredOutput("json_object"),
+        StructuredOutput("regex", "[a-z]+"),
+        StructuredOutput("choice", choices=("a", "b c")),
+        StructuredOutput("grammar", 'root ::= "x"'),
+    ],
+)
 def test_structured_output_round_trip(spec: StructuredOutput) -> None:
     p = SamplingParams(structured_output=spec, max_tokens=None)
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
@@ -31,11 +35,26 @@ def test_structured_output_round_trip(spec: StructuredOutput) -> None:
 
 
 def test_sampling_params_round_trip() -> None:
-    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, seed=11, max_tokens=33,
-                       stop=("\n",), stop_token_ids=(2,), min_tokens=3, logprobs=2, prompt_logprobs=0,
-                       presence_penalty=0.5, repetition_penalty=1.1, ignore_eos=True,
-                       logit_bias={7: 2.5, 3: -100.0}, skip_special_tokens=False,
-                       include_stop_str_in_output=True, priority=-3)  # fmt: skip
+    p = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.01,
+        seed=11,
+        max_tokens=33,
+        stop=("\n",),
+        stop_token_ids=(2,),
+        min_tokens=3,
+        logprobs=2,
+        prompt_logprobs=0,
+        presence_penalty=0.5,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+        logit_bias={7: 2.5, 3: -100.0},
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        priority=-3,
+    )
     assert convert.sampling_params_from_pb(convert.sampling_params_to_pb(p)) == p
 
 
@@ -58,10 +77,18 @@ def test_bad_values_name_the_field(fields: dict[str, float], message: str) -> No
 
 
 def test_kv_handle_round_trip_and_empty_transfer_id() -> None:
-    h = KvHandle(transfer_id="t-1", worker_id="prefill-0", host="127.0.0.1", port=4242,
-                 num_tokens=40, block_size=16, num_blocks=3,
-                 layout=LayoutFingerprint("abc", "bfloat16", 4, 576, 16), expires_at=12.5,
-                 transport="ucx")  # fmt: skip
+    h = KvHandle(
+        transfer_id="t-1",
+        worker_id="prefill-0",
+        host="127.0.0.1",
+        port=4242,
+        num_tokens=40,
+        block_size=16,
+        num_blocks=3,
+        layout=LayoutFingerprint("abc", "bfloat16", 4, 576, 16),
+        expires_at=12.5,
+        transport="ucx",
+    )
     assert convert.kv_handle_from_pb(convert.kv_handle_to_pb(h)) == h
     with pytest.raises(ValueError, match="transfer_id is empty"):
         convert.kv_handle_from_pb(pb.KvHandle())
@@ -79,8 +106,9 @@ def test_prompt_logprobs_go_with_the_requests_first_token_only() -> None:
     lps = [{5: -0.5, 6: -1.0}, {7: -0.25}]
 
     def out(tokens: list[int], delta: list[int]) -> RequestOutput:
-        return RequestOutput("r", [1, 5, 7], tokens, "", None, None, 0, delta_token_ids=delta,
-                             prompt_logprobs=lps)  # fmt: skip
+        return RequestOutput(
+            "r", [1, 5, 7], tokens, "", None, None, 0, delta_token_ids=delta, prompt_logprobs=lps
+        )
 
     first = convert.chunk_from_outputs([out([9], [9]), out([9, 8], [8])])
     assert [convert.logprobs_from_pb(lp) for lp in first.prompt_logprobs] == lps

@@ -100,16 +100,25 @@ def test_include_stop_str_in_output(engine: Engine) -> None:
     text = base.text
     stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if "\ufffd" not in text[i : i + 3])
     cut = text.index(stop) + len(stop)
-    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "never seen"],
-                       include_stop_str_in_output=True)  # fmt: skip
+    p = SamplingParams(
+        temperature=0,
+        max_tokens=30,
+        ignore_eos=True,
+        stop=[stop, "never seen"],
+        include_stop_str_in_output=True,
+    )
     streamed, whole = _streamed(engine, "stop strings", p)
     assert streamed == whole == text[:cut]
     ids = base.token_ids
     stop_id = ids[5]
     first = ids.index(stop_id)
     for include in (False, True):
-        p = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
-                           include_stop_str_in_output=include)  # fmt: skip
+        p = SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            stop_token_ids=[stop_id],
+            include_stop_str_in_output=include,
+        )
         streamed, whole = _streamed(engine, "stop strings", p)
         want = engine.tokenizer.decode(ids[: first + include])
         assert streamed == whole == want, include
@@ -203,8 +212,9 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(
     over the whole prompt, then the top 3; the cached prefix is computed again (it has no
     logits to give)."""
     monkeypatch.setattr("ferry.services.engine.engine.PROMPT_LOGPROB_ROWS", 7)
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256,
-                                 max_num_batched_tokens=32))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, max_num_batched_tokens=32)
+    )
     prompt = list(range(40, 140))
     engine.generate([prompt], GREEDY)
     asked = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)

@@ -11,14 +11,18 @@ from ferry.services.engine import AsyncEngine, EngineConfig, SamplingParams
 
 
 def _scrape(registry: CollectorRegistry) -> dict[str, float]:
-    return {f"{m.name}{'_total' if m.type == 'counter' else ''}": s.value
-            for m in registry.collect() for s in m.samples
-            if s.labels == {"worker": "w0"} and not s.name.endswith("_created")}  # fmt: skip
+    return {
+        f"{m.name}{'_total' if m.type == 'counter' else ''}": s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.labels == {"worker": "w0"} and not s.name.endswith("_created")
+    }
 
 
 def test_gauges_follow_the_engine_through_a_preempting_batch() -> None:
-    engine = AsyncEngine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=24,
-                                      max_num_batched_tokens=256))  # fmt: skip
+    engine = AsyncEngine(
+        EngineConfig(model="tiny", block_size=16, num_kv_blocks=24, max_num_batched_tokens=256)
+    )
     metrics, registry = EngineMetrics(), CollectorRegistry()
     registry.register(metrics)
     metrics.add("w0", engine)

@@ -19,9 +19,14 @@ MAX_NEW = 24
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # lm_head scaled x20: the top logit leads by a wide margin, so no near-tie can flip a token
     return make_hf_checkpoint(
-        tmp_path_factory.mktemp("engine"), seed=21, lm_head_scale=20.0, q_lora_rank=24,
-        rope_parameters=YARN, n_group=4, topk_group=2,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("engine"),
+        seed=21,
+        lm_head_scale=20.0,
+        q_lora_rank=24,
+        rope_parameters=YARN,
+        n_group=4,
+        topk_group=2,
+    )
 
 
 @pytest.fixture(scope="module")

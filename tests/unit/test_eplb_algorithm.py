@@ -79,8 +79,9 @@ def check_valid(p: Placement, cfg: Config) -> None:
     assert distinct.all(), "a GPU holds two replicas of one expert"
     assert p.logcnt.max() <= cfg.num_gpus // (cfg.num_nodes if cfg.hierarchical else 1)
     last = cfg.num_gpus - 1
-    engine = ExpertPlacement(slot_to_logical=p.phy2log, num_logical_experts=E,
-                             ep_size=cfg.num_gpus, ep_rank=last)  # fmt: skip
+    engine = ExpertPlacement(
+        slot_to_logical=p.phy2log, num_logical_experts=E, ep_size=cfg.num_gpus, ep_rank=last
+    )
     assert torch.equal(engine.replica_counts, p.logcnt)
     assert torch.equal(engine.logical_to_slots, p.log2phy)
     assert engine.local_experts(0) == per_gpu[0, last].tolist()

@@ -26,8 +26,9 @@ def test_window_slides_over_the_last_buckets() -> None:
 
 
 def test_engine_counts_every_routed_token() -> None:
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=64,
-                                 enable_prefix_caching=False))  # fmt: skip
+    engine = Engine(
+        EngineConfig(model="tiny", block_size=16, num_kv_blocks=64, enable_prefix_caching=False)
+    )
     prompts = [[5 + i] * (3 + 4 * i) for i in range(4)]
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     fed = sum(len(p) + 5 - 1 for p in prompts)  # prompt tokens, then all but the last output

@@ -68,8 +68,15 @@ def test_fp8_block_quantized_matches_dequantized(tmp_path: Path) -> None:
     fp8_dir, deq_dir = _copy(src, tmp_path / "fp8"), _copy(src, tmp_path / "deq")
     save_file(fp8, str(fp8_dir / "model.safetensors"))
     save_file(dequant, str(deq_dir / "model.safetensors"))
-    rewrite_config(fp8_dir, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                   "activation_scheme": "dynamic", "weight_block_size": [128, 128]})  # fmt: skip
+    rewrite_config(
+        fp8_dir,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    )
     a = prompt_logits(load_model(fp8_dir), IDS)
     b = prompt_logits(load_model(deq_dir), IDS)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

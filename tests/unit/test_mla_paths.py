@@ -17,9 +17,14 @@ from tests.helpers import YARN, make_hf_checkpoint, rel_err
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekV3ForCausalLM:
     path = make_hf_checkpoint(
-        tmp_path_factory.mktemp("mla"), seed=7, q_lora_rank=24, rope_parameters=YARN,
-        first_k_dense_replace=1, n_group=4, topk_group=2,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("mla"),
+        seed=7,
+        q_lora_rank=24,
+        rope_parameters=YARN,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    )
     return load_model(path)
 
 

@@ -15,22 +15,42 @@ from tests.helpers import YARN, hf_logits, make_hf_checkpoint, rel_err, rewrite_
 # norm_topk_prob on/off, n_group 1 and >1, rope_interleave on/off.
 CONFIGS = {
     "qlora-yarn-grouped-interleave": dict(
-        q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1, norm_topk_prob=True,
-        n_group=4, topk_group=2, rope_interleave=True,
+        q_lora_rank=24,
+        rope_parameters=YARN,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        n_group=4,
+        topk_group=2,
+        rope_interleave=True,
     ),
     "noqlora-plain-ungrouped-halfsplit": dict(
-        q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        first_k_dense_replace=0, norm_topk_prob=False, n_group=1, topk_group=1, rope_interleave=False,
+        q_lora_rank=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        first_k_dense_replace=0,
+        norm_topk_prob=False,
+        n_group=1,
+        topk_group=1,
+        rope_interleave=False,
     ),
     "qlora-plain-twodense-halfsplit": dict(
-        q_lora_rank=24, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        first_k_dense_replace=2, norm_topk_prob=True, n_group=1, topk_group=1, rope_interleave=False,
+        q_lora_rank=24,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        first_k_dense_replace=2,
+        norm_topk_prob=True,
+        n_group=1,
+        topk_group=1,
+        rope_interleave=False,
     ),
     "noqlora-yarn-mscale-grouped": dict(
-        q_lora_rank=None, rope_parameters={**YARN, "mscale": 0.8, "mscale_all_dim": 0.6},
-        first_k_dense_replace=0, norm_topk_prob=False, n_group=2, topk_group=1, rope_interleave=True,
+        q_lora_rank=None,
+        rope_parameters={**YARN, "mscale": 0.8, "mscale_all_dim": 0.6},
+        first_k_dense_replace=0,
+        norm_topk_prob=False,
+        n_group=2,
+        topk_group=1,
+        rope_interleave=True,
     ),
-}  # fmt: skip
+}
 
 PROMPT_LENS = [1, 7, 64, 65, 300]
 
@@ -63,10 +83,13 @@ def test_deepseek_spelling_of_config(checkpoint: Path, tmp_path: Path) -> None:
     for f in checkpoint.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     rewrite_config(
-        tmp_path, rope_parameters=None, rope_theta=theta,
+        tmp_path,
+        rope_parameters=None,
+        rope_theta=theta,
         rope_scaling=None if kind == "default" else {"type": kind, **rope},
-        scoring_func="sigmoid", topk_method="noaux_tc",
-    )  # fmt: skip
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+    )
     ids = _prompt(50, 3)
     a = prompt_logits(load_model(checkpoint), ids)
     b = prompt_logits(load_model(tmp_path), ids)

@@ -9,8 +9,9 @@ REQ = RouteRequest("r", num_prompt_tokens=100, num_blocks=7)
 
 
 def cand(wid: str, role: str, **load: int) -> Candidate:
-    routed = {k: load.pop(k) for k in ("routed_requests", "routed_tokens", "routed_blocks")
-              if k in load}  # fmt: skip
+    routed = {
+        k: load.pop(k) for k in ("routed_requests", "routed_tokens", "routed_blocks") if k in load
+    }
     return Candidate(WorkerRecord(wid, role, "127.0.0.1:1"), LoadReport(**load), **routed)
 
 

@@ -21,8 +21,11 @@ def test_a_port_in_use_or_given_before_is_skipped(monkeypatch: pytest.MonkeyPatc
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        spare = next(p for p in range(ports.PICK_FLOOR, 30000)
-                     if p not in ports._given and p != busy and ports._bindable("127.0.0.1", p))  # fmt: skip
+        spare = next(
+            p
+            for p in range(ports.PICK_FLOOR, 30000)
+            if p not in ports._given and p != busy and ports._bindable("127.0.0.1", p)
+        )
         tries = iter([busy, given, spare])
         monkeypatch.setattr(ports.random, "randrange", lambda *_: next(tries))
         assert ports.free_port() == spare

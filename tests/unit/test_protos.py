@@ -13,8 +13,14 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     protos = sorted((ROOT / "protos").glob("*.proto"))
     assert protos
     out = f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}"
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", "-Iferry/protos=protos", *out,
-           *[f"protos/{p.name}" for p in protos]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        "-Iferry/protos=protos",
+        *out,
+        *[f"protos/{p.name}" for p in protos],
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True)
     for fresh in sorted((tmp_path / "ferry" / "protos").glob("*_pb2*.py*")):
         committed = ROOT / "protos" / fresh.name

@@ -46,8 +46,11 @@ def _moved_after(
     first = _run(engine, PROMPT, params)[:k]  # what the failed worker had streamed
     generated, emitted = _tokens(first), _text(first)
     assert len(generated) == k
-    rest = dataclasses.replace(params, max_tokens=params.max_tokens - k,  # type: ignore[operator]
-                               min_tokens=max(0, params.min_tokens - k))  # fmt: skip
+    rest = dataclasses.replace(
+        params,
+        max_tokens=params.max_tokens - k,  # type: ignore[operator]
+        min_tokens=max(0, params.min_tokens - k),
+    )
     outs = _run(engine, PROMPT + generated, rest, Resumed(k, len(emitted)))
     return generated + _tokens(outs), emitted + _text(outs), outs[-1]
 
@@ -65,8 +68,15 @@ def test_a_resumed_request_continues_with_the_same_tokens_and_text(engine: Engin
 def test_seeded_sampling_and_penalties_go_on_as_if_it_had_not_moved(engine: Engine) -> None:
     """A seeded draw depends on the seed and the output token's place, and the presence /
     frequency penalties count what was generated before the move as output."""
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, presence_penalty=0.5,
-                            frequency_penalty=0.5, max_tokens=24, ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        max_tokens=24,
+        ignore_eos=True,
+    )
     whole = _run(engine, PROMPT, params)
     assert _run(engine, PROMPT, dataclasses.replace(params, seed=8)) != whole
     for k in (1, 6, 17):

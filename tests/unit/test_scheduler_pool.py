@@ -80,7 +80,8 @@ def test_with_none_up_for_wait_s_a_request_is_refused_with_503() -> None:
         finally:
             await pool.close()
         assert err.value.status == 503 and err.value.code == "scheduler_unavailable"
-        assert err.value.message == (f"none of the 2 schedulers ({', '.join(addresses)}) "
-                                     "answered within 0.5 s; retry later")  # fmt: skip
+        assert err.value.message == (
+            f"none of the 2 schedulers ({', '.join(addresses)}) answered within 0.5 s; retry later"
+        )
 
     asyncio.run(main())

@@ -12,10 +12,12 @@ def _chunk(*ids: int, text: str) -> common_pb2.TokenChunk:
 
 
 def test_a_continuation_of_a_continuation_is_one_continuation() -> None:
-    params = common_pb2.SamplingParams(max_tokens=10, min_tokens=4, temperature=0.0,
-                                       prompt_logprobs=1)  # fmt: skip
-    request = scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
-                                            sampling_params=params)  # fmt: skip
+    params = common_pb2.SamplingParams(
+        max_tokens=10, min_tokens=4, temperature=0.0, prompt_logprobs=1
+    )
+    request = scheduler_pb2.GenerateRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=params
+    )
     once = Streamed()
     for c in (_chunk(7, 8, text="ab"), _chunk(9, text="c"), _chunk(5, 6, text="de")):
         once.add(c)

@@ -24,12 +24,15 @@ SCHEMA = {
         "ok": {"type": "boolean"},
         "colour": {"enum": ["red", "green", "blue"]},
         "tag": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                   "maxItems": 3},
+        "scores": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 3,
+        },
     },
     "required": ["ok", "colour", "tag", "scores"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 SPECS = {
     "json_schema": StructuredOutput("json_schema", json.dumps(SCHEMA)),
     "regex": StructuredOutput("regex", r"[a-c]{3}-[0-9]{2}"),
@@ -46,10 +49,14 @@ def engine() -> Engine:
 def _matches(kind: str, text: str) -> bool:
     if kind == "json_schema":
         value = json.loads(text)
-        return (set(value) == set(SCHEMA["properties"]) and isinstance(value["ok"], bool)  # type: ignore[arg-type]
-                and value["colour"] in ("red", "green", "blue")
-                and re.fullmatch("[a-z]{1,6}", value["tag"]) is not None
-                and len(value["scores"]) <= 3 and all(0 <= s <= 9 for s in value["scores"]))  # fmt: skip
+        return (
+            set(value) == set(SCHEMA["properties"])
+            and isinstance(value["ok"], bool)  # type: ignore[arg-type]
+            and value["colour"] in ("red", "green", "blue")
+            and re.fullmatch("[a-z]{1,6}", value["tag"]) is not None
+            and len(value["scores"]) <= 3
+            and all(0 <= s <= 9 for s in value["scores"])
+        )
     if kind == "regex":
         return re.fullmatch(r"[a-c]{3}-[0-9]{2}", text) is not None
     if kind == "choice":
@@ -59,8 +66,10 @@ def _matches(kind: str, text: str) -> bool:
 
 @pytest.mark.parametrize("kind", list(SPECS))
 def test_sampled_text_matches_the_grammar_and_ends_with_it(engine: Engine, kind: str) -> None:
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_output=SPECS[kind])
-              for s in range(6)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_output=SPECS[kind])
+        for s in range(6)
+    ]
     outs = engine.generate(["Answer: "] * 6, params)
     for out in outs:
         assert out.finish_reason == "stop", (kind, out.text)
@@ -75,8 +84,10 @@ def test_json_object_is_an_object_even_greedy(engine: Engine) -> None:
     out = engine.generate(["x"], SamplingParams(temperature=0, max_tokens=300))[0]
     with pytest.raises(ValueError):
         json.loads(out.text)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=400, structured_output=spec)
-              for s in range(4)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=400, structured_output=spec)
+        for s in range(4)
+    ]
     for out in engine.generate(["x"] * 4, params):
         if out.finish_reason == "stop":
             assert isinstance(json.loads(out.text), dict), out.text
@@ -86,8 +97,9 @@ def test_json_object_is_an_object_even_greedy(engine: Engine) -> None:
 
 def test_a_resumed_request_keeps_its_grammar_state(engine: Engine) -> None:
     """Request migration replays the generated tokens into the new engine's matcher."""
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=200,
-                            structured_output=SPECS["json_schema"])  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=200, structured_output=SPECS["json_schema"]
+    )
     prompt = engine.tokenizer.encode("Answer: ")
     whole = engine.generate([prompt], params)[0]
     k = 7

@@ -126,19 +126,30 @@ def test_named_streams_the_arguments_as_they_come() -> None:
     reader = NamedCall("get_weather")
     out = read_all(reader, ['{"ci', "", 'ty":', '"Rome"}'])
     assert out.calls[0] == {
-        "index": 0, "id": reader.calls[0].id, "type": "function",
+        "index": 0,
+        "id": reader.calls[0].id,
+        "type": "function",
         "function": {"name": "get_weather", "arguments": '{"ci'},
-    }  # fmt: skip
+    }
     assert all(set(d) == {"index", "function"} for d in out.calls[1:])
     assert "".join(d["function"]["arguments"] for d in out.calls) == '{"city":"Rome"}'
     assert reader.calls[0].arguments == '{"city":"Rome"}'
 
 
 TOOLS = (
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
     {"type": "function", "function": {"name": "now"}},
-)  # fmt: skip
+)
 
 
 def test_forced_modes_give_a_schema_the_others_none() -> None:
@@ -169,14 +180,21 @@ def test_finish_reason_is_tool_calls_when_the_model_chose_to_call() -> None:
 
 def test_deepseek_v31_calls_name_then_bare_arguments() -> None:
     """DeepSeek-V3.1's format: no type, no json block; in any chunking."""
-    text = ("Checking." + CALLS_BEGIN + f'{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo"}}{CALL_END}'
-            + f"{CALL_BEGIN}now{SEP}{{}}{CALL_END}" + CALLS_END)  # fmt: skip
+    text = (
+        "Checking."
+        + CALLS_BEGIN
+        + f'{CALL_BEGIN}get_weather{SEP}{{"city": "Oslo"}}{CALL_END}'
+        + f"{CALL_BEGIN}now{SEP}{{}}{CALL_END}"
+        + CALLS_END
+    )
     for seed in range(10):
         reader = DeepSeekV31Calls()
         out = read_all(reader, chunkings(text, seed))
         assert out.content == "Checking."
         assert [(c.name, c.arguments) for c in reader.calls] == [
-            ("get_weather", '{"city": "Oslo"}'), ("now", "{}")]  # fmt: skip
+            ("get_weather", '{"city": "Oslo"}'),
+            ("now", "{}"),
+        ]
     v3 = DeepSeekV3Calls()  # V3's reader wants the json block: V3.1's calls stay text
     assert read_all(v3, [text]).content == text and v3.calls == []
     assert isinstance(ToolUse("auto", TOOLS, parser="deepseek_v31").reader(), DeepSeekV31Calls)

@@ -78,8 +78,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         ranks (the placement must say the same ep_size and ep_rank)."""
         p = self.placement
         if (p.ep_size, p.ep_rank) != (group.size, group.rank):
-            raise ValueError(f"placement is rank {p.ep_rank} of {p.ep_size}, the group says "
-                             f"rank {group.rank} of {group.size}")  # fmt: skip
+            raise ValueError(
+                f"placement is rank {p.ep_rank} of {p.ep_size}, the group says "
+                f"rank {group.rank} of {group.size}"
+            )
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.ep_group = group

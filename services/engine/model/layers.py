@@ -200,8 +200,13 @@ class MoE(nn.Module):
             d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)
             if self.expert_load is not None:
                 self.expert_load.add_rows(self.moe_layer, d.hidden.shape[0])
-            y = ops.fused_moe(d.hidden, self.experts.w13, self.experts.w2, d.weights[:, None],
-                              d.local_slots[:, None])  # fmt: skip
+            y = ops.fused_moe(
+                d.hidden,
+                self.experts.w13,
+                self.experts.w2,
+                d.weights[:, None],
+                d.local_slots[:, None],
+            )
             out = combine(y, d, self.ep_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
