@@ -38,7 +38,8 @@ protos: setup
 run: setup
 	$(VENV)/bin/ferry up
 
-# mypy reads the packages under the names they install as: build/view/ferry/* link to the folders.
+# mypy and lint-imports read the packages under the names they install as: build/view/ferry/*
+# link to the folders.
 VIEW := build/view
 PACKAGES := services gateway kernels infra protos
 view:
@@ -49,6 +50,7 @@ lint: setup view
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	MYPYPATH=$(VIEW) $(VENV)/bin/mypy -p ferry
+	PYTHONPATH=$(VIEW) $(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
@@ -116,9 +118,11 @@ bench-eplb: setup
 bench-engine: setup
 	$(PY) loadtest/bench_engine.py $(BENCH_ARGS)
 
-# each Triton kernel checked and timed at DeepSeek-V3 shapes (needs a CUDA GPU) -> loadtest/results/kernels.json
+# each Triton kernel checked and timed at DeepSeek-V3 shapes, then the small model on each backend
+# (needs a CUDA GPU) -> loadtest/results/kernels.json, kernels_model.json
 bench-kernels: setup
 	$(PY) -m ferry.kernels.bench $(BENCH_ARGS)
+	$(PY) loadtest/bench_model_kernels.py
 
 tune-kernels: setup
 	$(PY) -m ferry.kernels.tune $(BENCH_ARGS)

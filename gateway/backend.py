@@ -20,7 +20,7 @@ from ferry.gateway.tools import TOOL_CALL_PARSERS
 from ferry.protos import common_pb2, scheduler_pb2
 from ferry.services.common.log import get_logger
 from ferry.services.common.streamed import Streamed
-from ferry.services.engine.tokenizer import Tokenizer, load_tokenizer
+from ferry.services.common.tokenizer import Tokenizer, load_tokenizer
 
 log = get_logger(__name__)
 

@@ -16,10 +16,10 @@ from ferry.infra.launcher import WORKER_ROLES
 from ferry.infra.restarts import RESTART_MODES
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
-from ferry.services.common.worker import WorkerConfig
 from ferry.services.engine.model.presets import PRESETS
 from ferry.services.eplb_controller.service import EplbConfig
 from ferry.services.scheduler.service import SchedulerConfig
+from ferry.services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from ferry.infra.launcher import ClusterSpec
@@ -76,7 +76,8 @@ def _service(role: str, config: SchedulerConfig | EplbConfig | WorkerConfig) -> 
         from ferry.services.eplb_controller.service import EplbController
 
         return EplbController(config)
-    from ferry.services.decode_worker.service import AggregatedWorker, DecodeWorker
+    from ferry.services.decode_worker.aggregated import AggregatedWorker
+    from ferry.services.decode_worker.service import DecodeWorker
     from ferry.services.prefill_worker.service import PrefillWorker
 
     kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}

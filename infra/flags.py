@@ -10,13 +10,12 @@ from typing import Any
 from ferry.gateway.backend import GatewayConfig
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
-from ferry.services.common.worker import WorkerConfig
-from ferry.services.engine import EngineConfig
-from ferry.services.engine.config import DTYPES
+from ferry.services.engine.config import DTYPES, EngineConfig
 from ferry.services.eplb_controller.service import EplbConfig
-from ferry.services.kv_transfer.transport import transport_names
+from ferry.services.kv_transfer.registry import transport_names
 from ferry.services.scheduler.policies import POLICIES
 from ferry.services.scheduler.service import SchedulerConfig
+from ferry.services.worker.config import WorkerConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -74,7 +73,7 @@ def _add_keepalive(p: argparse.ArgumentParser) -> None:
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     d, w = EngineConfig(), WorkerConfig()
     add(p, "--model", d.model, "preset (tiny, small) or HF checkpoint directory")
-    add(p, "--dtype", d.dtype, "weights and KV cache dtype", choices=sorted(DTYPES))
+    add(p, "--dtype", d.dtype, "weights and KV cache dtype", choices=list(DTYPES))
     add(p, "--block-size", d.block_size, "tokens per KV block")
     add(p, "--num-kv-blocks", None, "KV cache size in blocks (default: from memory)", type=int)
     add(p, "--kv-cache-memory-bytes", None, "KV cache budget in bytes", type=int)

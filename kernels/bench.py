@@ -1,8 +1,8 @@
 """Kernel benchmark: every Triton kernel against its torch reference at DeepSeek-V3's shapes.
 
-    python -m kernels.bench                      # on a CUDA GPU; writes loadtest/results/kernels.json
-    python -m kernels.bench --only mla_decode fused_moe
-    TRITON_INTERPRET=1 python -m kernels.bench --tiny   # tiny shapes on the CPU: checks the script
+    python -m ferry.kernels.bench                # on a CUDA GPU; writes loadtest/results/kernels.json
+    python -m ferry.kernels.bench --only mla_decode fused_moe
+    TRITON_INTERPRET=1 python -m ferry.kernels.bench --tiny   # tiny shapes on the CPU: checks it
 
 Each case first checks the Triton output against the torch reference, run in float32 on the same
 (bfloat16) inputs: max error within 1e-2 of the reference's largest value; routing, the same
@@ -13,10 +13,8 @@ bandwidth and tensor throughput, and the fraction of the roofline (the larger of
 bandwidth and flops / peak) reached. The roofline uses the ceilings measured on the card at the
 start (a 2 GiB device-to-device copy, bytes read plus written; an 8192³ bfloat16 matrix product on
 random data); the H200's datasheet figures, and the card's own where known, are printed and
-recorded beside them. The ``model`` suite runs the whole
-model (the ``small`` preset; ``tiny`` with ``--tiny``) through ``kernels.dispatch``: its float32
-logits on the Triton kernels against the torch path within 1e-4, on both attention paths, then
-a bfloat16 decode step and a prefill timed on each backend.
+recorded beside them. The whole model on each backend is ``loadtest/bench_model_kernels.py``
+(the kernels know nothing of the engine).
 
 Without a CUDA device (and without ``--tiny``) it says so and exits 0. A case that fails, even
 by raising (a kernel that does not build, out of memory), is reported and the run goes on; the
@@ -24,9 +22,9 @@ exit status is 1 if any check failed. The JSON is rewritten after every case (``
 false`` until the last), so a run cut short still leaves what it measured.
 
 On a GPU machine that has torch and Triton but not this project's other packages (the device
-machines here), run it from the repository root with that machine's Python: the kernels need
-nothing else, the model suite numpy and safetensors too (no grpc, Redis or UCX):
-``python3 -m kernels.bench --out "$OUT/kernels.json"``. Every case is sized to take seconds.
+machines here), ``pip install --no-deps -e .`` in the repository first (the kernels need nothing
+else), then ``python3 -m ferry.kernels.bench --out "$OUT/kernels.json"``. Every case is sized to
+take seconds.
 """
 
 from __future__ import annotations
@@ -304,7 +302,6 @@ SUITES: dict[str, Callable[[Shapes], Iterator[Case]]] = {
     "mla_decode": decode_cases,
     "prefill_attention": prefill_cases,
 }
-MODEL_SUITE = "model"
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -330,7 +327,7 @@ def _float32(args: tuple[Any, ...]) -> tuple[Any, ...]:
     )
 
 
-def _failure(exc: Exception) -> dict[str, Any]:
+def failure(exc: Exception) -> dict[str, Any]:
     """A row's verdict for an exception: an AssertionError is a check that failed; anything else
     is an implementation that did not run (a build error, out of memory), named by its type."""
     if isinstance(exc, AssertionError):
@@ -363,18 +360,18 @@ def run_case(case: Case, ceilings: Ceilings) -> dict[str, Any]:
         kernel = dispatch.implementation(case.op, "triton")
         ours = kernel(*case.args)
     except Exception as exc:  # nothing to time: report it and go on with the other cases
-        return row | _failure(exc)
+        return row | failure(exc)
     try:
         row["max_rel_err"] = case.compare(ours, reference(*_float32(case.args)))
         row["ok"] = True
     except Exception as exc:  # a wrong answer is still timed
-        row |= _failure(exc)
+        row |= failure(exc)
     del ours
     try:
         torch_ms = time_ms(lambda: reference(*case.args))
         triton_ms = time_ms(lambda: kernel(*case.args))
     except Exception as exc:
-        return row | _failure(exc)
+        return row | failure(exc)
     roofline_ms = max(case.bytes / ceilings.hbm, case.flops / ceilings.bf16) * 1e3
     row.update(
         torch_ms=torch_ms,
@@ -388,101 +385,6 @@ def run_case(case: Case, ceilings: Ceilings) -> dict[str, Any]:
         of_roofline=roofline_ms / triton_ms,
     )
     return row
-
-
-# ---- the model -------------------------------------------------------------------------------
-# NOTE: the one place in kernels/ that imports the engine (lazily): the model reaches every op
-# through kernels.dispatch, so forcing a backend there runs its whole forward on those kernels.
-
-MODEL_TOLERANCE = 1e-4
-
-
-@functools.lru_cache(maxsize=2)
-def _model(preset: str, dtype: torch.dtype) -> Any:
-    from ferry.services.engine.model import load_model
-
-    return load_model(preset, dtype, DEVICE)
-
-
-def _on_backend(backend: str, fn: Callable[[], Any]) -> Any:
-    dispatch.set_backend(backend)
-    try:
-        return fn()
-    finally:
-        dispatch.set_backend("auto")
-
-
-def _model_logits_row(preset: str, attention: str, tokens: int) -> dict[str, Any]:
-    """float32 logits of one prompt through the paged cache (blocks of 16): the prefill path
-    ("expanded") or every position as a decode query over the cache ("absorbed")."""
-    from ferry.services.engine.model import prompt_logits
-
-    row: dict[str, Any] = {
-        "op": "model_logits",
-        "shape": {"preset": preset, "attention": attention, "tokens": tokens},
-    }
-    try:
-        model = _model(preset, torch.float32)
-        ids = torch.randint(0, model.config.vocab_size, (tokens,)).tolist()
-        want = _on_backend("torch", lambda: prompt_logits(model, ids, 16, attention))  # type: ignore[arg-type]
-        got = _on_backend("triton", lambda: prompt_logits(model, ids, 16, attention))  # type: ignore[arg-type]
-        row["max_rel_err"] = close(MODEL_TOLERANCE)(got, want)
-        row["ok"] = True
-    except Exception as exc:
-        row |= _failure(exc)
-    return row
-
-
-def _model_step_row(preset: str, sequences: int, context: int, new_tokens: int) -> dict[str, Any]:
-    """One bfloat16 forward of ``sequences`` requests, each adding ``new_tokens`` after
-    ``context - new_tokens`` cached ones (1: a decode step), timed on each backend."""
-    from ferry.services.engine.model import ForwardBatch
-
-    kind = "model_decode_step" if new_tokens == 1 else "model_prefill"
-    row: dict[str, Any] = {
-        "op": kind,
-        "shape": {
-            "preset": preset,
-            "sequences": sequences,
-            "context": context,
-            "new_tokens": new_tokens,
-        },
-    }
-    try:
-        model = _model(preset, torch.bfloat16)
-        block_size = 64
-        per_seq = math.ceil(context / block_size)
-        cache = model.allocate_kv_cache(sequences * per_seq, block_size)
-        tables = torch.randperm(sequences * per_seq).view(sequences, per_seq).tolist()
-        batch = ForwardBatch.build(
-            [new_tokens] * sequences,
-            [context - new_tokens] * sequences,
-            tables,
-            block_size,
-            device=DEVICE,
-        )
-        ids = torch.randint(0, model.config.vocab_size, (sequences * new_tokens,), device=DEVICE)
-
-        def forward() -> Any:
-            with torch.inference_mode():
-                return model(ids, batch, cache)
-
-        row["torch_ms"] = _on_backend("torch", lambda: time_ms(forward))
-        row["triton_ms"] = _on_backend("triton", lambda: time_ms(forward))
-        row["speedup"] = row["torch_ms"] / row["triton_ms"]
-        row["ok"] = True
-    except Exception as exc:
-        row |= _failure(exc)
-    return row
-
-
-def model_rows(tiny: bool) -> Iterator[dict[str, Any]]:
-    preset = "tiny" if tiny else "small"
-    for attention in ("expanded", "absorbed"):
-        yield _model_logits_row(preset, attention, tokens=20 if tiny else 100)
-    sequences, context = (2, 20) if tiny else (64, 2048)
-    yield _model_step_row(preset, sequences, context, new_tokens=1)
-    yield _model_step_row(preset, 1 if tiny else 4, context, new_tokens=context)
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -524,11 +426,8 @@ def _machine() -> dict[str, Any]:
 def _rows(names: list[str], tiny: bool, ceilings: Ceilings) -> Iterator[dict[str, Any]]:
     shapes = TINY if tiny else DEEPSEEK_V3
     for name in names:
-        if name == MODEL_SUITE:
-            yield from model_rows(tiny)
-        else:
-            for case in SUITES[name](shapes):
-                yield run_case(case, ceilings)
+        for case in SUITES[name](shapes):
+            yield run_case(case, ceilings)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -536,7 +435,7 @@ def _rows(names: list[str], tiny: bool, ceilings: Ceilings) -> Iterator[dict[str
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    suites = [*SUITES, MODEL_SUITE]
+    suites = list(SUITES)
     p.add_argument("--only", nargs="+", choices=suites, help="suites to run (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")
     p.add_argument(

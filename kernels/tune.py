@@ -77,7 +77,7 @@ def tune_case(case: bench.Case, tilings: list[Any]) -> dict[str, Any]:
             entry["ms"] = bench.time_ms(functools.partial(kernel, *case.args, **kwargs))
             entry["ok"] = True
         except Exception as exc:  # a tiling that does not build or is wrong: say so, go on
-            entry |= bench._failure(exc)
+            entry |= bench.failure(exc)
         row["tilings"].append(entry)
     del reference
     timed = [t for t in row["tilings"] if t["ok"]]

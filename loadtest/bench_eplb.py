@@ -1,7 +1,7 @@
 """EPLB placement: Ferry's ``rebalance`` against DeepSeek's published algorithm, in one run.
 
 The published algorithm (deepseek-ai/EPLB ``rebalance_experts``) runs as the re-implementation
-in ``services/eplb_controller/reference_eplb.py``. For each configuration and load shape:
+in ``loadtest/reference_eplb.py``. For each configuration and load shape:
 
 - balancedness (mean GPU load / max GPU load, averaged over MoE layers) of both, and of the
   trivial placement (experts in order, then the first redundant ones again);
@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from reference_eplb import rebalance_experts
 
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model import model_config
 from ferry.services.eplb_controller import balancedness, rebalance, slots_changed
-from ferry.services.eplb_controller.reference_eplb import rebalance_experts
 
 
 class Config(NamedTuple):

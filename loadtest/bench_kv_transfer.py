@@ -26,8 +26,10 @@ import libucx
 import torch
 
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+from ferry.services.kv_transfer.endpoints import KvImporter
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.kv_transfer.staging import gather_blocks, scatter_blocks
+from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UCX_DEFAULTS
 
 BLOCK = 64

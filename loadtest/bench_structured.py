@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ferry.services.common.sampling_params import StructuredOutput
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.engine.sampling_params import StructuredOutput
 
 SCHEMA = json.dumps(
     {

@@ -33,7 +33,7 @@ PROBE_TIMEOUT_S = 5.0
 
 
 def exporter() -> tuple[subprocess.Popen[str], list[Any]]:
-    from ferry.services.kv_transfer import KvHandle
+    from ferry.services.kv_transfer.handle import KvHandle
 
     cmd = [
         sys.executable,
@@ -65,7 +65,8 @@ def trial(max_kills: int, one_loop: bool) -> dict[str, Any]:
     import torch
 
     from ferry.services.engine.kv_cache import KVCacheManager
-    from ferry.services.kv_transfer import KvImporter, LayoutFingerprint, TransferError
+    from ferry.services.kv_transfer.endpoints import KvImporter
+    from ferry.services.kv_transfer.handle import LayoutFingerprint, TransferError
     from ferry.services.kv_transfer.ucx import UcxTransport
 
     cache, kv = torch.zeros(LAYERS, BLOCKS, BS, DIM), KVCacheManager(BLOCKS, BS)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65rry/protos/eplb.proto\x12\x08\x66\x65rry.v1\"c\n\x0cPlacementMap\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0enum_moe_layers\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x17\n\x0fslot_to_logical\x18\x04 \x03(\x03\"Q\n\x15\x41pplyPlacementRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12)\n\tplacement\x18\x02 \x01(\x0b\x32\x16.ferry.v1.PlacementMap\"|\n\x10PlacementApplied\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bslots_moved\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x16\n\x0eseconds_paused\x18\x05 \x01(\x01\"\x15\n\x13GetPlacementRequest\"!\n\x10RebalanceRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe0\x01\n\x0eGroupRebalance\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x13\n\x0bslots_moved\x18\x05 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x04\x12\x16\n\x0eseconds_paused\x18\x07 \x01(\x01\x12%\n\x1dpredicted_balancedness_before\x18\x08 \x01(\x01\x12$\n\x1cpredicted_balancedness_after\x18\t \x01(\x01\":\n\x0eRebalanceReply\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.ferry.v1.GroupRebalance\"#\n\x12GroupStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xbc\x01\n\nGroupState\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61lancedness\x18\x04 \x01(\x01\x12\x12\n\nrebalances\x18\x05 \x01(\x04\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\r\x12\x12\n\nrows_total\x18\x07 \x03(\x04\x12\x11\n\trows_step\x18\x08 \x01(\x04\x12\x16\n\x0eplacement_step\x18\t \x01(\x04\"8\n\x10GroupStatusReply\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.ferry.v1.GroupState2\xa7\x01\n\x0f\x45xpertPlacement\x12M\n\x0e\x41pplyPlacement\x12\x1f.ferry.v1.ApplyPlacementRequest\x1a\x1a.ferry.v1.PlacementApplied\x12\x45\n\x0cGetPlacement\x12\x1d.ferry.v1.GetPlacementRequest\x1a\x16.ferry.v1.PlacementMap2\x9c\x01\n\x0e\x45plbController\x12\x41\n\tRebalance\x12\x1a.ferry.v1.RebalanceRequest\x1a\x18.ferry.v1.RebalanceReply\x12G\n\x0bGroupStatus\x12\x1c.ferry.v1.GroupStatusRequest\x1a\x1a.ferry.v1.GroupStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65rry/protos/eplb.proto\x12\x08\x66\x65rry.v1\"~\n\x0cPlacementMap\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0enum_moe_layers\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x17\n\x0fslot_to_logical\x18\x04 \x03(\x03\x12\x19\n\x11num_expert_groups\x18\x05 \x01(\r\"Q\n\x15\x41pplyPlacementRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12)\n\tplacement\x18\x02 \x01(\x0b\x32\x16.ferry.v1.PlacementMap\"|\n\x10PlacementApplied\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bslots_moved\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x16\n\x0eseconds_paused\x18\x05 \x01(\x01\"\x15\n\x13GetPlacementRequest\"!\n\x10RebalanceRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xe0\x01\n\x0eGroupRebalance\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x13\n\x0bslots_moved\x18\x05 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x04\x12\x16\n\x0eseconds_paused\x18\x07 \x01(\x01\x12%\n\x1dpredicted_balancedness_before\x18\x08 \x01(\x01\x12$\n\x1cpredicted_balancedness_after\x18\t \x01(\x01\":\n\x0eRebalanceReply\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.ferry.v1.GroupRebalance\"#\n\x12GroupStatusRequest\x12\r\n\x05group\x18\x01 \x01(\t\"\xbc\x01\n\nGroupState\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61lancedness\x18\x04 \x01(\x01\x12\x12\n\nrebalances\x18\x05 \x01(\x04\x12\x16\n\x0enum_moe_layers\x18\x06 \x01(\r\x12\x12\n\nrows_total\x18\x07 \x03(\x04\x12\x11\n\trows_step\x18\x08 \x01(\x04\x12\x16\n\x0eplacement_step\x18\t \x01(\x04\"8\n\x10GroupStatusReply\x12$\n\x06groups\x18\x01 \x03(\x0b\x32\x14.ferry.v1.GroupState2\xa7\x01\n\x0f\x45xpertPlacement\x12M\n\x0e\x41pplyPlacement\x12\x1f.ferry.v1.ApplyPlacementRequest\x1a\x1a.ferry.v1.PlacementApplied\x12\x45\n\x0cGetPlacement\x12\x1d.ferry.v1.GetPlacementRequest\x1a\x16.ferry.v1.PlacementMap2\x9c\x01\n\x0e\x45plbController\x12\x41\n\tRebalance\x12\x1a.ferry.v1.RebalanceRequest\x1a\x18.ferry.v1.RebalanceReply\x12G\n\x0bGroupStatus\x12\x1c.ferry.v1.GroupStatusRequest\x1a\x1a.ferry.v1.GroupStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ferry.protos.eplb_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PLACEMENTMAP']._serialized_start=37
-  _globals['_PLACEMENTMAP']._serialized_end=136
-  _globals['_APPLYPLACEMENTREQUEST']._serialized_start=138
-  _globals['_APPLYPLACEMENTREQUEST']._serialized_end=219
-  _globals['_PLACEMENTAPPLIED']._serialized_start=221
-  _globals['_PLACEMENTAPPLIED']._serialized_end=345
-  _globals['_GETPLACEMENTREQUEST']._serialized_start=347
-  _globals['_GETPLACEMENTREQUEST']._serialized_end=368
-  _globals['_REBALANCEREQUEST']._serialized_start=370
-  _globals['_REBALANCEREQUEST']._serialized_end=403
-  _globals['_GROUPREBALANCE']._serialized_start=406
-  _globals['_GROUPREBALANCE']._serialized_end=630
-  _globals['_REBALANCEREPLY']._serialized_start=632
-  _globals['_REBALANCEREPLY']._serialized_end=690
-  _globals['_GROUPSTATUSREQUEST']._serialized_start=692
-  _globals['_GROUPSTATUSREQUEST']._serialized_end=727
-  _globals['_GROUPSTATE']._serialized_start=730
-  _globals['_GROUPSTATE']._serialized_end=918
-  _globals['_GROUPSTATUSREPLY']._serialized_start=920
-  _globals['_GROUPSTATUSREPLY']._serialized_end=976
-  _globals['_EXPERTPLACEMENT']._serialized_start=979
-  _globals['_EXPERTPLACEMENT']._serialized_end=1146
-  _globals['_EPLBCONTROLLER']._serialized_start=1149
-  _globals['_EPLBCONTROLLER']._serialized_end=1305
+  _globals['_PLACEMENTMAP']._serialized_end=163
+  _globals['_APPLYPLACEMENTREQUEST']._serialized_start=165
+  _globals['_APPLYPLACEMENTREQUEST']._serialized_end=246
+  _globals['_PLACEMENTAPPLIED']._serialized_start=248
+  _globals['_PLACEMENTAPPLIED']._serialized_end=372
+  _globals['_GETPLACEMENTREQUEST']._serialized_start=374
+  _globals['_GETPLACEMENTREQUEST']._serialized_end=395
+  _globals['_REBALANCEREQUEST']._serialized_start=397
+  _globals['_REBALANCEREQUEST']._serialized_end=430
+  _globals['_GROUPREBALANCE']._serialized_start=433
+  _globals['_GROUPREBALANCE']._serialized_end=657
+  _globals['_REBALANCEREPLY']._serialized_start=659
+  _globals['_REBALANCEREPLY']._serialized_end=717
+  _globals['_GROUPSTATUSREQUEST']._serialized_start=719
+  _globals['_GROUPSTATUSREQUEST']._serialized_end=754
+  _globals['_GROUPSTATE']._serialized_start=757
+  _globals['_GROUPSTATE']._serialized_end=945
+  _globals['_GROUPSTATUSREPLY']._serialized_start=947
+  _globals['_GROUPSTATUSREPLY']._serialized_end=1003
+  _globals['_EXPERTPLACEMENT']._serialized_start=1006
+  _globals['_EXPERTPLACEMENT']._serialized_end=1173
+  _globals['_EPLBCONTROLLER']._serialized_start=1176
+  _globals['_EPLBCONTROLLER']._serialized_end=1332
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlacementMap(_message.Message):
-    __slots__ = ("version", "num_moe_layers", "num_slots", "slot_to_logical")
+    __slots__ = ("version", "num_moe_layers", "num_slots", "slot_to_logical", "num_expert_groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_TO_LOGICAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: int
     num_moe_layers: int
     num_slots: int
     slot_to_logical: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., num_moe_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_to_logical: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_expert_groups: int
+    def __init__(self, version: _Optional[int] = ..., num_moe_layers: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_to_logical: _Optional[_Iterable[int]] = ..., num_expert_groups: _Optional[int] = ...) -> None: ...
 
 class ApplyPlacementRequest(_message.Message):
     __slots__ = ("group", "placement")

@@ -49,6 +49,18 @@ class Cluster:
 
         return asyncio.run(run())
 
+    def children(self) -> dict[str, list[int]]:
+        """The processes `ferry up` started, by the role in their argv (``serve ROLE``)."""
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True
+        )
+        roles: dict[str, list[int]] = {}
+        for pid in map(int, out.stdout.split()):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if "serve" in argv:
+                roles.setdefault(argv[argv.index("serve") + 1], []).append(pid)
+        return roles
+
     def views(self, role: str | None = None) -> list[WorkerView]:
         return self.read(lambda state: state.workers(role))
 

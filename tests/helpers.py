@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from ferry.services.common.sampling_params import SamplingParams
+from ferry.services.common.tokenizer import ByteTokenizer
 from ferry.services.engine.request import Request
-from ferry.services.engine.sampling_params import SamplingParams
-from ferry.services.engine.tokenizer import ByteTokenizer
 
 TINY_HF: dict[str, Any] = {
     "vocab_size": 384,

@@ -4,11 +4,7 @@ Admission happens before any block moves: a worker that is at ``max_num_seqs`` o
 blocks answers RESOURCE_EXHAUSTED so that the scheduler tries another. The pull lands in blocks
 held under the import's key; the engine adopts them, so a cancelled or failed Decode at any
 point leaves no block behind. When the reader lags, the tokens of several steps go out as one
-TokenChunk.
-
-AggregatedWorker is the same service with one more case: a Decode without a ``kv_handle`` runs
-the prompt's prefill in this worker's own engine, then its decode, with no KV transfer (an
-"aggregated" deployment in vLLM's and Dynamo's terms).
+TokenChunk. The aggregated worker (``aggregated.py``) serves the same API.
 """
 
 from __future__ import annotations
@@ -19,20 +15,19 @@ import grpc
 
 from ferry.protos import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
 from ferry.services.common import convert
+from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
+from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.common.server import abort_with
-from ferry.services.common.worker import KV_ERROR_KEY, EngineWorker, WorkerConfig, transfer_status
 from ferry.services.decode_worker import metrics
 from ferry.services.engine.async_engine import EngineDeadError
 from ferry.services.engine.request import ImportedKv, Resumed
-from ferry.services.engine.sampling_params import SamplingParams
-from ferry.services.kv_transfer import (
-    KvHandle,
-    KvImporter,
-    KvTransport,
-    TransferError,
-    create_transport,
-)
+from ferry.services.kv_transfer.endpoints import KvImporter
+from ferry.services.kv_transfer.handle import KvHandle, TransferError
+from ferry.services.kv_transfer.transport import KvTransport, create_transport
+from ferry.services.worker import convert as worker_convert
+from ferry.services.worker.config import WorkerConfig
+from ferry.services.worker.engine_worker import EngineWorker, transfer_status
 
 log = get_logger(__name__)
 
@@ -54,11 +49,10 @@ class DecodeWorker(EngineWorker):
     def importer(self, transport: str) -> KvImporter:
         """One importer (and endpoint pool) per transport that exporters offer."""
         if transport not in self._importers:
-            eng = self.engine.engine
             self._importers[transport] = KvImporter(
                 create_transport(transport),
-                eng.kv_cache,
-                eng.kv,
+                self.engine.kv_cache,
+                self.engine.kv_holds,
                 self.layout,
                 self.config.transfer_timeout_s,
                 self.config.verify_checksum,
@@ -98,15 +92,6 @@ class DecodeWorker(EngineWorker):
         return importer.hold_key(handle)
 
 
-class AggregatedWorker(DecodeWorker):
-    """Prefill and decode of a request in one engine: nothing moves between workers. It serves
-    the DecodeWorker API; a Decode without a kv_handle is prefilled here (chunked, with the
-    prefix cache, batched with the running decodes), one with a kv_handle is a plain decode."""
-
-    role = "aggregated"
-    prefills = True
-
-
 def _parse(
     request: decode_worker_pb2.DecodeRequest, prefills: bool
 ) -> tuple[list[int], SamplingParams, KvHandle | None, Resumed | None]:
@@ -115,8 +100,12 @@ def _parse(
     if not request.HasField("kv_handle") and not prefills:
         raise ValueError("kv_handle is missing")
     params = convert.sampling_params_from_pb(request.sampling_params)
-    handle = convert.kv_handle_from_pb(request.kv_handle) if request.HasField("kv_handle") else None
-    return list(request.prompt_token_ids), params, handle, convert.resumed_of(request)
+    handle = (
+        worker_convert.kv_handle_from_pb(request.kv_handle)
+        if request.HasField("kv_handle")
+        else None
+    )
+    return list(request.prompt_token_ids), params, handle, worker_convert.resumed_of(request)
 
 
 class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
@@ -131,10 +120,10 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
         with bind_request(rid):
             try:
                 ids, params, handle, resumed = _parse(request, w.prefills)
-                w.engine.engine.validate(ids, params)
+                w.engine.validate(ids, params)
             except ValueError as e:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            num_blocks = handle.num_blocks if handle else w.engine.engine.kv.blocks_needed(len(ids))
+            num_blocks = handle.num_blocks if handle else w.engine.blocks_needed(len(ids))
             busy = w.admission_error(num_blocks)
             if busy is not None:
                 metrics.REJECTED.inc()
@@ -148,14 +137,14 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                     imported = ImportedKv(
                         key,
                         request.first_token_id,
-                        convert.logprobs_from_pb(request.first_logprobs),
+                        worker_convert.logprobs_from_pb(request.first_logprobs),
                         request.num_cached_tokens,
                     )
                 async for outs in w.engine.stream(
                     ids, params, rid, imported=imported, resumed=resumed
                 ):
                     metrics.COALESCED.observe(len(outs))
-                    yield convert.chunk_from_outputs(outs)
+                    yield worker_convert.chunk_from_outputs(outs)
             except (ValueError, KeyError) as e:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except EngineDeadError as e:
@@ -163,7 +152,7 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             finally:
                 w._active.discard(rid)
                 if key:  # a no-op once the engine adopted the blocks
-                    w.engine.engine.kv.release_hold(key)
+                    w.engine.kv_holds.release_hold(key)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

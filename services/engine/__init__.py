@@ -1,9 +1,38 @@
-"""The engine both workers run: paged MLA KV cache, step planner, sampler, model."""
+"""The engine both workers run: paged MLA KV cache, step planner, sampler, model. Importing the
+package loads none of its modules (names resolve when first used), so that torch-free code (the
+CLI) can read ``config`` and the model's ``presets``."""
 
-from ferry.services.engine.async_engine import AsyncEngine
-from ferry.services.engine.config import EngineConfig
-from ferry.services.engine.engine import Engine
-from ferry.services.engine.request import RequestOutput
-from ferry.services.engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ferry.services.common.sampling_params import SamplingParams
+    from ferry.services.engine.async_engine import AsyncEngine
+    from ferry.services.engine.config import EngineConfig
+    from ferry.services.engine.engine import Engine
+    from ferry.services.engine.request import RequestOutput
+
+_EXPORTS = {
+    "AsyncEngine": "ferry.services.engine.async_engine",
+    "Engine": "ferry.services.engine.engine",
+    "EngineConfig": "ferry.services.engine.config",
+    "RequestOutput": "ferry.services.engine.request",
+    "SamplingParams": "ferry.services.common.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -3,12 +3,20 @@
 Callers on the event loop submit requests and aborts; the thread applies them between steps and
 hands each step's outputs back to the loop. The thread sleeps on a condition variable when there
 is nothing to do (no spinning). A request whose consumer stops iterating is aborted.
+
+The ``Engine`` is single-threaded and private to this class: only the step thread calls it.
+What other threads may use is below, each safe for the reason given: the facts fixed at build
+time (``info``), request validation (reads those facts), the KV cache tensor and the hold API
+around it (``kv_holds``: the manager's lock; KV transfers), the prefix-cache events and the
+expert load (their own locks), the EPLB ``rebalancer`` (a queue the step thread drains) and the
+``load`` snapshot the step thread publishes after every step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -16,11 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from ferry.services.common.sampling_params import SamplingParams
+from ferry.services.common.tokenizer import Tokenizer
 from ferry.services.engine.config import EngineConfig
 from ferry.services.engine.engine import Engine, EngineLoad
+from ferry.services.engine.expert_rebalance import Rebalancer
+from ferry.services.engine.kv_cache import KvHolds
 from ferry.services.engine.request import ImportedKv, RequestOutput, Resumed
-from ferry.services.engine.sampling_params import SamplingParams
-from ferry.services.engine.tokenizer import Tokenizer
 
 DEP_IDLE_POLL_S = 0.05  # an idle group's ranks check in 20 times a second (~3% of a core here)
 
@@ -40,6 +52,31 @@ class _Add:
     grammar: Any = None  # xgrammar's CompiledGrammar of params.structured_output
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts about an engine, fixed when it is built."""
+
+    model_fingerprint: str
+    dtype: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    num_layers: int  # of the KV cache
+    kv_dim: int  # values per token per layer in the cache
+    num_expert_groups: int  # the model's n_group, which EPLB places experts by
+
+
+@dataclass(frozen=True)
+class ExpertLoadSnapshot:
+    """The expert load a worker publishes for the EPLB controller (see ExpertLoad)."""
+
+    counts: list[list[int]]  # [num_moe_layers][num_experts] tokens routed over the window
+    steps_total: int
+    placement_version: int
+    placement_step: int  # the group step at which that placement took effect
+    snapshots: list[list[object]]  # [[group step, rows per MoE layer], ...]
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -48,7 +85,18 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | Engine | None = None) -> None:
-        self.engine = config if isinstance(config, Engine) else Engine(config)
+        self._engine = engine = config if isinstance(config, Engine) else Engine(config)
+        cache = engine.kv_cache  # [num_layers, num_blocks, block_size, kv_dim]
+        self.info = EngineInfo(
+            engine.model_fingerprint,
+            engine.config.dtype,
+            engine.max_model_len,
+            engine.kv.block_size,
+            engine.kv.num_blocks,
+            cache.shape[0],
+            cache.shape[3],
+            engine.model.config.n_group,
+        )
         self._cv = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -56,7 +104,7 @@ class AsyncEngine:
         self._stopped = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self._load = self.engine.load()
+        self._load = self._engine.load()
         # structured outputs' grammars compile here, not on the engine's thread
         self._grammars = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
         self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
@@ -70,7 +118,47 @@ class AsyncEngine:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self._engine.tokenizer
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """ValueError for a request that can never run here (it reads only fixed facts)."""
+        self._engine.validate(prompt_token_ids, params)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.info.block_size)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The cache tensor: KV transports read and write the blocks held under ``kv_holds``."""
+        return self._engine.kv_cache
+
+    @property
+    def kv_holds(self) -> KvHolds:
+        return self._engine.kv
+
+    def record_kv_events(self) -> None:
+        """Keep prefix-cache events from now on, for :meth:`take_kv_events`."""
+        self._engine.kv.record_events()
+
+    def take_kv_events(self, snapshot: bool = False) -> list[tuple[bool, int]]:
+        """(stored, block hash) since the last call; ``snapshot``: every hash held now."""
+        return self._engine.kv.take_events(snapshot)
+
+    def expert_load(self) -> ExpertLoadSnapshot:
+        eng = self._engine
+        load = eng.expert_load
+        return ExpertLoadSnapshot(
+            load.window().tolist(),
+            load.steps_total,
+            eng.rebalancer.version if eng.rebalancer else 0,
+            eng.placement_step,
+            load.recent_snapshots(),
+        )
+
+    @property
+    def rebalancer(self) -> Rebalancer | None:
+        """A DEP rank's EPLB orders go in here; the step thread applies them (None elsewhere)."""
+        return self._engine.rebalancer
 
     @property
     def load(self) -> EngineLoad:
@@ -78,16 +166,13 @@ class AsyncEngine:
         cache as it is now (leases come and go between steps)."""
         with self._cv:
             pending = len(self._adds)
-        load = self._load
-        kv = self.engine.kv.usage()
-        return EngineLoad(
-            load.running,
-            load.waiting + pending,
-            load.queued_prefill_tokens,
-            kv["free"] + kv["cached"],
-            kv["total"],
-            kv["cached"],
-            load.step_time_s,
+        kv = self._engine.kv.usage()
+        return dataclasses.replace(
+            self._load,
+            waiting=self._load.waiting + pending,
+            free_kv_blocks=kv["free"] + kv["cached"],
+            total_kv_blocks=kv["total"],
+            cached_kv_blocks=kv["cached"],
         )
 
     async def generate(
@@ -122,12 +207,12 @@ class AsyncEngine:
         """Like :meth:`generate`, but yields every output that is ready at once: a reader that
         lags gets several steps' outputs in one list (to coalesce into one message)."""
         params = params or SamplingParams()
-        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.validate(ids, params)
+        ids = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._engine.validate(ids, params)
         grammar = None
         if params.structured_output is not None:  # ValueError when it does not compile
             grammar = await asyncio.get_running_loop().run_in_executor(
-                self._grammars, self.engine.grammars.compile, params.structured_output
+                self._grammars, self._engine.grammars.compile, params.structured_output
             )
         rid = request_id or f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -182,14 +267,14 @@ class AsyncEngine:
                         self._stopped
                         or self._adds
                         or self._aborts
-                        or self.engine.has_unfinished_requests()
+                        or self._engine.has_unfinished_requests()
                     ):
-                        if self.engine.ep_group is not None:
+                        if self._engine.ep_group is not None:
                             # a DEP rank must join every step of its group, even idle. While
                             # another rank has work (the last step's collective said so) it
                             # steps again at once, or that rank would wait for it every step;
                             # once the whole group is idle it checks in at a slow cadence
-                            if not self.engine.group_busy:
+                            if not self._engine.group_busy:
                                 self._cv.wait(DEP_IDLE_POLL_S)
                             break
                         self._cv.wait()
@@ -198,8 +283,8 @@ class AsyncEngine:
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
                 self._apply(adds, aborts)
-                outputs = self.engine.step()
-                self._load = self.engine.load()  # before the streams hear of what it finished
+                outputs = self._engine.step()
+                self._load = self._engine.load()  # before the streams hear of what it finished
                 self._deliver_all(outputs)
         except BaseException as e:  # the engine is broken: fail every stream, then stop
             with self._cv:
@@ -211,7 +296,7 @@ class AsyncEngine:
     def _apply(self, adds: list[_Add], aborts: list[str]) -> None:
         for a in adds:
             try:
-                self.engine.add_request(
+                self._engine.add_request(
                     a.request_id,
                     a.prompt_token_ids,
                     a.params,
@@ -223,7 +308,7 @@ class AsyncEngine:
             except (ValueError, KeyError) as e:
                 self._deliver_error(a.request_id, e)
         for rid in aborts:
-            out = self.engine.abort(rid)
+            out = self._engine.abort(rid)
             if out is not None:
                 self._deliver(out)
 

@@ -1,12 +1,11 @@
-"""EngineConfig: what one engine instance runs and how much it may hold."""
+"""EngineConfig: what one engine instance runs and how much it may hold. No torch: the CLI
+builds it from flags."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 << 20
 
@@ -45,10 +44,6 @@ class EngineConfig:
             raise ValueError("max_model_len must be at least 1")
         if self.router_skew < 0:
             raise ValueError("router_skew must be >= 0")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
     def num_blocks_for(self, bytes_per_block: int) -> int:
         """Cache size in blocks: ``num_kv_blocks``, else as many as the memory budget holds."""

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferry.services.common.sampling_params import SamplingParams
+from ferry.services.common.tokenizer import Tokenizer, load_tokenizer
 from ferry.services.engine.config import EngineConfig
 from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
@@ -28,10 +30,8 @@ from ferry.services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, loa
 from ferry.services.engine.output_processor import OutputProcessor, make_output
 from ferry.services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
 from ferry.services.engine.sampler import Sampler, token_logprobs
-from ferry.services.engine.sampling_params import SamplingParams
 from ferry.services.engine.step_planner import StepPlan, StepPlanner
 from ferry.services.engine.structured import Grammars
-from ferry.services.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -63,6 +63,8 @@ class EngineLoad:
     total_kv_blocks: int = 0
     cached_kv_blocks: int = 0
     step_time_s: float = 0.0
+    step_tokens: int = 0  # tokens the last step computed
+    num_preemptions: int = 0  # since the engine started
 
 
 class Engine:
@@ -75,8 +77,9 @@ class Engine:
         """``placement`` and ``ep_group`` make this engine one rank of a DEP group: it holds
         only its expert slots, and every step runs in lockstep with the other ranks."""
         self.config = config = config or EngineConfig()
+        dtype: torch.dtype = getattr(torch, config.dtype)
         self.model: DeepseekV3ForCausalLM = load_model(
-            config.model, config.torch_dtype, config.device, placement
+            config.model, dtype, config.device, placement
         )
         if config.router_skew:
             self.model.skew_routing(config.router_skew)
@@ -91,11 +94,10 @@ class Engine:
         mc = self.model.config
         self.expert_load = ExpertLoad(mc.num_moe_layers, mc.n_routed_experts)
         self.model.attach_expert_load(self.expert_load)
-        mc = self.model.config
         self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         bytes_per_block = (
-            mc.num_hidden_layers * config.block_size * mc.kv_cache_dim * config.torch_dtype.itemsize
+            mc.num_hidden_layers * config.block_size * mc.kv_cache_dim * dtype.itemsize
         )
         num_blocks = config.num_blocks_for(bytes_per_block)
         self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
@@ -388,7 +390,7 @@ class Engine:
         queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in running)
         usage = self.kv.usage()
-        step = self.last_step.total_s if self.last_step else 0.0
+        last = self.last_step
         return EngineLoad(
             len(running),
             len(waiting),
@@ -396,7 +398,9 @@ class Engine:
             usage["free"] + usage["cached"],
             usage["total"],
             usage["cached"],
-            step,
+            last.total_s if last else 0.0,
+            last.num_tokens if last else 0,
+            self.num_preemptions,
         )
 
     def check_integrity(self) -> None:

@@ -13,37 +13,13 @@ to the worker that holds its prefix (see services/scheduler/prefix_index.py).
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
+from typing import Protocol
 
+from ferry.services.common.prefix_hash import DEFAULT_SALT, ROOT_HASH, hash_block, prefix_hashes
 from ferry.services.engine.request import Request
-
-ROOT_HASH = 0
-DEFAULT_SALT = b"ferry"
-
-
-def hash_block(parent: int, token_ids: Sequence[int], salt: bytes) -> int:
-    """64-bit chained block hash (stable across processes, so workers and schedulers agree)."""
-    h = hashlib.blake2b(digest_size=8, key=salt[:64])
-    h.update(parent.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def prefix_hashes(
-    token_ids: Sequence[int], block_size: int, salt: bytes = DEFAULT_SALT
-) -> Iterator[int]:
-    """The chained hashes of the full blocks of ``token_ids``, first block first (lazily, so a
-    caller can stop at the first miss). An empty ``salt`` is the default one, as in
-    KVCacheManager."""
-    salt = salt or DEFAULT_SALT
-    parent = ROOT_HASH
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
-        yield parent
 
 
 class BlockPool:
@@ -97,6 +73,20 @@ class BlockPool:
                 self.events.append((True, block_hash))
 
 
+class KvHolds(Protocol):
+    """The part of a KVCacheManager that other threads may call (KV leases and imports run on
+    the event loop and transport threads while the engine steps): references to blocks held
+    under a key, outside any request. Each call takes the manager's lock."""
+
+    def hold(self, key: str, block_ids: list[int]) -> None: ...
+
+    def hold_new(self, key: str, num_blocks: int) -> list[int] | None: ...
+
+    def rename_hold(self, key: str, new_key: str) -> list[int] | None: ...
+
+    def release_hold(self, key: str) -> list[int]: ...
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -148,7 +138,7 @@ class KVCacheManager:
 
     def match_prefix(self, req: Request) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of ``req``'s tokens, leaving at least one
-        token to compute (its logits are needed). Returns (block ids, their hashes). None for a
+        token to compute (its logits are needed). Returns (block ids, their hashes); none for a
         request that wants its prompt's logprobs: it needs the logits of every prompt token."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return [], []

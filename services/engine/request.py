@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ferry.services.engine.sampling_params import SamplingParams
-from ferry.services.engine.tokenizer import IncrementalDetokenizer
+from ferry.services.common.sampling_params import SamplingParams
+from ferry.services.common.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from ferry.services.engine.structured import GrammarMatcher

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferry.services.engine.sampling_params import StructuredOutput
-from ferry.services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from ferry.services.common.sampling_params import StructuredOutput
+from ferry.services.common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -29,19 +29,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import Tensor
+import numpy.typing as npt
 
-ArrayLike = Tensor | np.ndarray  # torch or numpy, on any device
+ArrayLike = npt.ArrayLike  # numpy, nested lists, or a host tensor (torch's __array__)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A slot map for every MoE layer, with its inverse (all torch int64, on the host)."""
+    """A slot map for every MoE layer, with its inverse (all int64)."""
 
-    phy2log: Tensor  # [L, num_replicas]: the logical expert held by each physical slot
-    log2phy: Tensor  # [L, E, max_replicas]: each expert's slots in increasing order, -1 padded
-    logcnt: Tensor  # [L, E]: replicas per logical expert
+    phy2log: np.ndarray  # [L, num_replicas]: the logical expert held by each physical slot
+    log2phy: np.ndarray  # [L, E, max_replicas]: each expert's slots in increasing order, -1 padded
+    logcnt: np.ndarray  # [L, E]: replicas per logical expert
     slots_moved: int | None = None  # slots whose expert changed against ``previous``, if given
 
     @classmethod
@@ -57,8 +56,7 @@ class Placement:
         replica = np.arange(num_slots) - np.take_along_axis(first, expert, 1)
         log2phy = np.full((num_layers, num_logical_experts, int(logcnt.max())), -1)
         log2phy[np.arange(num_layers)[:, None], expert, replica] = by_expert
-        as_torch = torch.from_numpy
-        return cls(as_torch(slots), as_torch(log2phy), as_torch(logcnt), slots_moved)
+        return cls(slots, log2phy, logcnt, slots_moved)
 
 
 def rebalance(
@@ -101,10 +99,10 @@ def balancedness(weight: ArrayLike, placement: Placement | ArrayLike, num_gpus: 
 
 def layer_balancedness(
     weight: ArrayLike, placement: Placement | ArrayLike, num_gpus: int
-) -> Tensor:
+) -> np.ndarray:
     """[L] mean GPU load / max GPU load per layer; a replicated expert's load splits evenly
     over its replicas."""
-    return torch.from_numpy(_layer_balancedness(_as_loads(weight), _slots(placement), num_gpus))
+    return _layer_balancedness(_as_loads(weight), _slots(placement), num_gpus)
 
 
 def slots_changed(previous: Placement | ArrayLike, new: Placement | ArrayLike) -> int:
@@ -181,8 +179,6 @@ class _Layout:
 
 
 def _as_loads(weight: ArrayLike) -> np.ndarray:
-    if isinstance(weight, Tensor):
-        weight = weight.detach().cpu().numpy()
     loads = np.asarray(weight, dtype=np.float64)
     if loads.ndim != 2:
         raise ValueError(f"weight must be [num_layers, num_logical_experts], got {loads.shape}")
@@ -194,8 +190,6 @@ def _as_loads(weight: ArrayLike) -> np.ndarray:
 def _slots(placement: Placement | ArrayLike) -> np.ndarray:
     """A placement's phy2log as an int64 array."""
     slots = placement.phy2log if isinstance(placement, Placement) else placement
-    if isinstance(slots, Tensor):
-        slots = slots.detach().cpu().numpy()
     return np.asarray(slots, dtype=np.int64)
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-import torch
 
 from ferry.protos import eplb_pb2, eplb_pb2_grpc
 from ferry.services.common.channels import ChannelPool
@@ -34,9 +33,8 @@ from ferry.services.common.cluster_state import (
 )
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.log import get_logger
-from ferry.services.common.placement_service import placement_map, slot_map
+from ferry.services.common.placement_map import placement_map, slot_map
 from ferry.services.common.server import Service
-from ferry.services.engine.model import model_config
 from ferry.services.eplb_controller import metrics
 from ferry.services.eplb_controller.algorithm import balancedness, rebalance
 from ferry.services.eplb_controller.balance import BalanceWindow, aligned_rows
@@ -233,10 +231,14 @@ class EplbController(Service):
         current = await self._stub(group.ranks[0]).GetPlacement(
             eplb_pb2.GetPlacementRequest(), timeout=self.config.apply_timeout_s
         )
-        prev = slot_map(current).numpy()
+        prev = slot_map(current)
         size = len(group.ranks)
-        mc = model_config(group.ranks[0].model)
-        new = rebalance(weight, prev.shape[1], mc.n_group, self.config.num_nodes, size, prev)
+        groups = current.num_expert_groups  # the model's, as the rank reports it
+        if not groups:
+            raise NoRebalance(
+                f"group {group.name}: its rank 0 did not report the model's expert groups"
+            )
+        new = rebalance(weight, prev.shape[1], groups, self.config.num_nodes, size, prev)
         before, after = balancedness(weight, prev, size), balancedness(weight, new, size)
         result = eplb_pb2.GroupRebalance(
             group=group.name,
@@ -277,7 +279,7 @@ class EplbController(Service):
         return result
 
     async def _apply(
-        self, group: Group, version: int, phy2log: torch.Tensor
+        self, group: Group, version: int, phy2log: np.ndarray
     ) -> list[eplb_pb2.PlacementApplied]:
         """Order every rank at once; the ranks start moving weights when all of them have it."""
         order = eplb_pb2.ApplyPlacementRequest(

@@ -1,26 +1,4 @@
-"""KV transfer between workers: handles, leases, and the ucx / local transports."""
-
-from ferry.services.kv_transfer.endpoints import KvExporter, KvImporter
-from ferry.services.kv_transfer.handle import (
-    KvHandle,
-    LayoutFingerprint,
-    LayoutMismatch,
-    LeaseNotFound,
-    TransferError,
-)
-from ferry.services.kv_transfer.leases import LeaseTable
-from ferry.services.kv_transfer.transport import TRANSPORTS, KvTransport, create_transport
-
-__all__ = [
-    "TRANSPORTS",
-    "KvExporter",
-    "KvHandle",
-    "KvImporter",
-    "KvTransport",
-    "LayoutFingerprint",
-    "LayoutMismatch",
-    "LeaseNotFound",
-    "LeaseTable",
-    "TransferError",
-    "create_transport",
-]
+"""KV transfer between workers: handles (``handle``), leases (``leases``), the exporter and
+importer around a transport (``endpoints``), and the transports (``registry`` names them;
+``ucx``, ``grpc_transport``, ``local``). Import from the modules: this package's import loads
+nothing (no torch for code that only needs the names)."""

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ferry.services.common.log import get_logger
-from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.engine.kv_cache import KvHolds
 from ferry.services.kv_transfer import metrics
 from ferry.services.kv_transfer.handle import (
     KvHandle,
@@ -29,7 +29,7 @@ class KvExporter:
     def __init__(
         self,
         cache: torch.Tensor,
-        kv: KVCacheManager,
+        kv: KvHolds,
         layout: LayoutFingerprint,
         worker_id: str,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
@@ -110,7 +110,7 @@ class KvImporter:
         self,
         transport: KvTransport,
         cache: torch.Tensor,
-        kv: KVCacheManager,
+        kv: KvHolds,
         layout: LayoutFingerprint,
         transfer_timeout: float = 30.0,
         verify_checksum: bool = False,

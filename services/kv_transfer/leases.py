@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.engine.kv_cache import KvHolds
 from ferry.services.kv_transfer import metrics
 
 DEFAULT_LEASE_SECONDS = 30.0
@@ -26,7 +26,7 @@ class Lease:
 class LeaseTable:
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv: KvHolds,
         ttl: float = DEFAULT_LEASE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

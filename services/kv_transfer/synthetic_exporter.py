@@ -17,7 +17,9 @@ import sys
 import torch
 
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.kv_transfer import KvExporter, LayoutFingerprint, create_transport
+from ferry.services.kv_transfer.endpoints import KvExporter
+from ferry.services.kv_transfer.handle import LayoutFingerprint
+from ferry.services.kv_transfer.transport import create_transport
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -4,12 +4,14 @@ exporter/importer around a transport own leases, layout checks and the cache's b
 from __future__ import annotations
 
 import asyncio
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ferry.services.kv_transfer.registry import TRANSPORT_MODULES, transport_names
 from ferry.services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter_layers
 
 # After a failed in-place receive, the peer may still be finishing one message it had started
@@ -129,17 +131,10 @@ def register(name: str) -> Callable[[type[KvTransport]], type[KvTransport]]:
     return wrap
 
 
-def transport_names() -> list[str]:
-    # Importing the modules registers the transports.
-    from ferry.services.kv_transfer import grpc_transport, local, ucx  # noqa: F401
-
-    return sorted(TRANSPORTS)
-
-
 def create_transport(name: str) -> KvTransport:
-    transport_names()
-    if name not in TRANSPORTS:
+    if name not in TRANSPORT_MODULES:
         raise ValueError(
-            f"unknown KV transport {name!r}; choose one of {', '.join(sorted(TRANSPORTS))}"
+            f"unknown KV transport {name!r}; choose one of {', '.join(transport_names())}"
         )
+    importlib.import_module(TRANSPORT_MODULES[name])  # registers the transport's class
     return TRANSPORTS[name]()

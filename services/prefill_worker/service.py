@@ -18,11 +18,14 @@ from ferry.protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
 from ferry.services.common import convert
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.server import abort_with
-from ferry.services.common.worker import EngineWorker, WorkerConfig
 from ferry.services.engine.async_engine import EngineDeadError
 from ferry.services.engine.request import RequestOutput
-from ferry.services.kv_transfer import KvExporter, KvTransport, create_transport
+from ferry.services.kv_transfer.endpoints import KvExporter
+from ferry.services.kv_transfer.transport import KvTransport, create_transport
 from ferry.services.prefill_worker import metrics
+from ferry.services.worker import convert as worker_convert
+from ferry.services.worker.config import WorkerConfig
+from ferry.services.worker.engine_worker import EngineWorker
 
 log = get_logger(__name__)
 
@@ -33,9 +36,12 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        eng = self.engine.engine
         self.exporter = KvExporter(
-            eng.kv_cache, eng.kv, self.layout, self.worker_id, config.lease_seconds
+            self.engine.kv_cache,
+            self.engine.kv_holds,
+            self.layout,
+            self.worker_id,
+            config.lease_seconds,
         )
         self.transport = create_transport(config.kv_transport)
         self.kv_port = 0
@@ -73,7 +79,7 @@ class PrefillWorker(EngineWorker):
     ) -> prefill_worker_pb2.PrefillResult:
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
-            resumed = convert.resumed_of(request)
+            resumed = worker_convert.resumed_of(request)
             out: RequestOutput | None = None
             self._active.add(rid)
             async for o in self.engine.generate(ids, params, rid, hand_off=True, resumed=resumed):
@@ -86,11 +92,11 @@ class PrefillWorker(EngineWorker):
             self._active.discard(rid)
         assert out is not None and out.finished
         result = prefill_worker_pb2.PrefillResult(
-            request_id=rid, first=convert.chunk_from_outputs([out])
+            request_id=rid, first=worker_convert.chunk_from_outputs([out])
         )
         # NOTE: usage even when the request goes on: it tells the decode worker (and so the
         # client, on the last chunk) how many prompt tokens came from the prefix cache
-        result.first.usage.CopyFrom(convert.usage_of(out))
+        result.first.usage.CopyFrom(worker_convert.usage_of(out))
         if out.kv_hold is not None:
             svc = self.config.service
             handle = self.exporter.export_hold(
@@ -99,7 +105,7 @@ class PrefillWorker(EngineWorker):
             if handle is None:
                 await abort_with(context, grpc.StatusCode.ABORTED, f"request {rid} was aborted")
             else:
-                result.kv_handle.CopyFrom(convert.kv_handle_to_pb(handle))
+                result.kv_handle.CopyFrom(worker_convert.kv_handle_to_pb(handle))
                 metrics.EXPORTED_BLOCKS.inc(handle.num_blocks)
         metrics.PREFILLS.inc()
         metrics.PREFILL_TOKENS.inc(len(ids))

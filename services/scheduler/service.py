@@ -49,11 +49,11 @@ from ferry.services.common import convert
 from ferry.services.common.channels import ChannelPool
 from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
 from ferry.services.common.config import ServiceConfig
+from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
+from ferry.services.common.prefix_hash import prefix_hashes
 from ferry.services.common.server import Service, abort_with
 from ferry.services.common.streamed import Streamed
-from ferry.services.common.worker import KV_ERROR_KEY
-from ferry.services.engine.kv_cache import prefix_hashes
 from ferry.services.scheduler import metrics
 from ferry.services.scheduler.cluster_view import ClusterView
 from ferry.services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy

@@ -100,6 +100,21 @@ def run(*coros: object) -> list[Result]:
     return asyncio.run(main())
 
 
+def test_the_control_plane_runs_without_torch(cluster_a: Cluster) -> None:
+    """`ferry up` itself, the gateway and the scheduler never load torch (its library is not
+    mapped into them); the workers that run the model do."""
+
+    def torch_loaded(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    roles = cluster_a.children()
+    assert {"gateway", "scheduler", "prefill", "decode"} <= roles.keys(), roles
+    assert not torch_loaded(cluster_a.proc.pid)
+    for role in ("gateway", "scheduler"):
+        assert not any(torch_loaded(pid) for pid in roles[role]), role
+    assert all(torch_loaded(pid) for pid in roles["prefill"] + roles["decode"])
+
+
 def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
     cluster_a: Cluster, checkpoint: Path
 ) -> None:

@@ -21,8 +21,8 @@ import pytest
 from ferry.gateway.chat_template import ChatTemplate
 from ferry.gateway.sdk import AuthenticationError, FerryClient
 from ferry.infra.ports import free_port
+from ferry.services.common.tokenizer import load_tokenizer
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.engine.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.helpers import make_hf_checkpoint
 from tests.redis_server import redis_server

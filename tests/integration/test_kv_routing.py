@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from ferry.services.common.cluster_state import ClusterState, KvEvents
-from ferry.services.engine.kv_cache import prefix_hashes
+from ferry.services.common.prefix_hash import prefix_hashes
 from ferry.services.scheduler.prefix_index import PrefixIndex
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
 from tests.redis_server import redis_server

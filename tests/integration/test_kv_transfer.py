@@ -19,18 +19,17 @@ import pytest
 import torch
 
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.kv_transfer import (
-    KvExporter,
+from ferry.services.kv_transfer import metrics
+from ferry.services.kv_transfer.endpoints import KvExporter, KvImporter
+from ferry.services.kv_transfer.handle import (
     KvHandle,
-    KvImporter,
     LayoutFingerprint,
     LayoutMismatch,
     LeaseNotFound,
     TransferError,
-    create_transport,
-    metrics,
 )
 from ferry.services.kv_transfer.synthetic_exporter import make_cache
+from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UcxTransport
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
@@ -153,7 +152,9 @@ def _result(stdout: IO[str]) -> str:
 PULL_FOREVER = """
 import asyncio, sys, torch
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, create_transport
+from ferry.services.kv_transfer.endpoints import KvImporter
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.services.kv_transfer.transport import create_transport
 layers, blocks, bs, dim = map(int, sys.argv[1:5])
 layout = LayoutFingerprint("test-model", "float32", layers, dim, bs)
 handles = [KvHandle.from_json(line) for line in sys.stdin]
@@ -173,7 +174,9 @@ asyncio.run(main())
 SURVIVE_EXPORTER = """
 import asyncio, json, sys, time, torch
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.kv_transfer import KvHandle, KvImporter, LayoutFingerprint, TransferError, create_transport
+from ferry.services.kv_transfer.endpoints import KvImporter
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint, TransferError
+from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.synthetic_exporter import make_cache
 layers, blocks, bs, dim, seed = map(int, sys.argv[1:6])
 lines = sys.stdin.read().splitlines()

@@ -18,7 +18,7 @@ from ferry.gateway.sdk import (
     UnavailableError,
 )
 from ferry.infra.ports import free_port
-from ferry.services.engine.tokenizer import load_tokenizer
+from ferry.services.common.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
 from tests.redis_server import redis_server
 

@@ -25,8 +25,9 @@ def _bench(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    how = [script] if script.endswith(".py") else ["-m", script]  # a loadtest script, a module
     return subprocess.run(
-        [sys.executable, "-m", script, "--out", str(tmp_path / "k.json"), *args],
+        [sys.executable, *how, "--out", str(tmp_path / "k.json"), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -35,23 +36,27 @@ def _bench(
     )
 
 
-def test_tiny_run_checks_every_kernel_and_the_model(tmp_path: Path) -> None:
+def test_tiny_run_checks_every_kernel(tmp_path: Path) -> None:
     run = _bench(tmp_path, "--tiny")
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads((tmp_path / "k.json").read_text())
     assert result["complete"] and result["shapes"] == "tiny"
     rows = result["results"]
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    ops = {r["op"] for r in rows}
-    assert (
-        set(SUITES) | {"add_rms_norm", "model_logits", "model_decode_step", "model_prefill"} == ops
-    )
-    kernel_rows = [r for r in rows if r["op"] in SUITES or r["op"] == "add_rms_norm"]
-    assert all(r["max_rel_err"] < 1e-2 and r["triton_ms"] > 0 for r in kernel_rows)
+    assert {r["op"] for r in rows} == set(SUITES) | {"add_rms_norm"}
+    assert all(r["max_rel_err"] < 1e-2 and r["triton_ms"] > 0 for r in rows)
+    assert f"wrote {tmp_path / 'k.json'}" in run.stdout
+
+
+def test_tiny_model_run_checks_the_model_on_each_backend(tmp_path: Path) -> None:
+    run = _bench(tmp_path, "--tiny", script=str(ROOT / "loadtest" / "bench_model_kernels.py"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads((tmp_path / "k.json").read_text())["results"]
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert {r["op"] for r in rows} == {"model_logits", "model_decode_step", "model_prefill"}
     logits = [r for r in rows if r["op"] == "model_logits"]
     assert {r["shape"]["attention"] for r in logits} == {"expanded", "absorbed"}
     assert all(r["max_rel_err"] < 1e-4 for r in logits)
-    assert f"wrote {tmp_path / 'k.json'}" in run.stdout
 
 
 def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
@@ -70,7 +75,14 @@ def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full run would start")
-@pytest.mark.parametrize("script", ["ferry.kernels.bench", "ferry.kernels.tune"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "ferry.kernels.bench",
+        "ferry.kernels.tune",
+        str(ROOT / "loadtest" / "bench_model_kernels.py"),
+    ],
+)
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path, script: str) -> None:
     run = _bench(tmp_path, interpret=False, script=script)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ferry.gateway.chat_template import ChatTemplate
-from ferry.services.engine.tokenizer import ByteTokenizer
+from ferry.services.common.tokenizer import ByteTokenizer
 
 # the load-test scripts import each other as siblings (Locust and `python loadtest/x.py` put
 # their folder on sys.path): so do the tests

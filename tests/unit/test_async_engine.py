@@ -5,21 +5,29 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from ferry.services.common.sampling_params import StructuredOutput
 from ferry.services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from ferry.services.engine.async_engine import EngineDeadError
-from ferry.services.engine.sampling_params import StructuredOutput
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
-    eng = AsyncEngine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=128))
-    yield eng
+def engines() -> Iterator[tuple[AsyncEngine, Engine]]:
+    """An AsyncEngine and the Engine it steps, which the tests inspect when it is idle."""
+    inner = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=128))
+    eng = AsyncEngine(inner)
+    yield eng, inner
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(engines: tuple[AsyncEngine, Engine]) -> AsyncEngine:
+    return engines[0]
 
 
 async def _collect(
@@ -35,7 +43,8 @@ async def _collect(
     return tokens, text, reason
 
 
-def test_concurrent_streams_match_offline(engine: AsyncEngine) -> None:
+def test_concurrent_streams_match_offline(engines: tuple[AsyncEngine, Engine]) -> None:
+    engine, inner = engines
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[i, i + 1, i + 2] * (i + 1) for i in range(8)]
 
@@ -46,10 +55,13 @@ def test_concurrent_streams_match_offline(engine: AsyncEngine) -> None:
     offline = Engine(EngineConfig(model="tiny", block_size=16)).generate(prompts, params)
     for (tokens, text, reason), ref in zip(results, offline, strict=True):
         assert tokens == ref.token_ids and text == ref.text and reason == "length"
-    engine.engine.check_integrity()
+    inner.check_integrity()
 
 
-def test_abort_from_the_event_loop_and_on_consumer_exit(engine: AsyncEngine) -> None:
+def test_abort_from_the_event_loop_and_on_consumer_exit(
+    engines: tuple[AsyncEngine, Engine],
+) -> None:
+    engine, inner = engines
     long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
 
     async def main() -> tuple[str | None, int]:
@@ -73,13 +85,13 @@ def test_abort_from_the_event_loop_and_on_consumer_exit(engine: AsyncEngine) -> 
 
     last, seen = asyncio.run(main())
     assert last == "abort" and seen == 3
-    for _ in range(100):
-        if not engine.engine.has_unfinished_requests():
-            break
-        asyncio.run(asyncio.sleep(0.05))
-    assert not engine.engine.has_unfinished_requests()
-    engine.engine.check_integrity()
-    assert engine.engine.kv.usage()["in_use"] == 0
+    # the walker's abort is applied before the step whose load AsyncEngine publishes next
+    deadline = time.monotonic() + 10
+    while (load := engine.load).running + load.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert load.running == load.waiting == 0
+    assert load.free_kv_blocks == load.total_kv_blocks  # nothing held, the prefixes cached
+    inner.check_integrity()
 
 
 def test_invalid_request_raises_before_running(engine: AsyncEngine) -> None:
@@ -103,17 +115,18 @@ def test_shut_down_engine_refuses() -> None:
         asyncio.run(main())
 
 
-def test_a_grammar_compiles_off_the_engine_thread(engine: AsyncEngine) -> None:
+def test_a_grammar_compiles_off_the_engine_thread(engines: tuple[AsyncEngine, Engine]) -> None:
     """A new structured output is compiled on AsyncEngine's grammar thread while the engine
     steps on; a spec that does not compile is still refused before anything runs."""
+    engine, inner = engines
     threads: list[str] = []
-    compile_ = engine.engine.grammars.compile
+    compile_ = inner.grammars.compile
 
     def spy(spec: StructuredOutput) -> Any:
         threads.append(threading.current_thread().name)
         return compile_(spec)
 
-    engine.engine.grammars.compile = spy  # type: ignore[method-assign]
+    inner.grammars.compile = spy  # type: ignore[method-assign]
     try:
         regex = SamplingParams(
             temperature=1.0,
@@ -127,6 +140,6 @@ def test_a_grammar_compiles_off_the_engine_thread(engine: AsyncEngine) -> None:
         with pytest.raises(ValueError, match="does not compile"):
             asyncio.run(_collect(engine, [1, 2, 3], bad))
     finally:
-        del engine.engine.grammars.compile
+        del inner.grammars.compile
     assert len(threads) == 2 and all(t.startswith("ferry-grammar") for t in threads), threads
-    engine.engine.check_integrity()
+    inner.check_integrity()

@@ -6,9 +6,10 @@ import pytest
 
 from ferry.protos import common_pb2 as pb
 from ferry.services.common import convert
+from ferry.services.common.sampling_params import SamplingParams, StructuredOutput
 from ferry.services.engine.request import RequestOutput
-from ferry.services.engine.sampling_params import SamplingParams, StructuredOutput
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.services.worker import convert as worker_convert
 
 
 def test_unset_fields_take_the_engine_defaults_and_unset_max_tokens_means_no_limit() -> None:
@@ -89,15 +90,15 @@ def test_kv_handle_round_trip_and_empty_transfer_id() -> None:
         expires_at=12.5,
         transport="ucx",
     )
-    assert convert.kv_handle_from_pb(convert.kv_handle_to_pb(h)) == h
+    assert worker_convert.kv_handle_from_pb(worker_convert.kv_handle_to_pb(h)) == h
     with pytest.raises(ValueError, match="transfer_id is empty"):
-        convert.kv_handle_from_pb(pb.KvHandle())
+        worker_convert.kv_handle_from_pb(pb.KvHandle())
 
 
 def test_logprobs_round_trip() -> None:
     lp = {3: -0.1, 9: -2.5}
-    assert convert.logprobs_from_pb(convert.logprobs_to_pb(lp)) == pytest.approx(lp)
-    assert convert.logprobs_from_pb(convert.logprobs_to_pb(None)) is None
+    assert worker_convert.logprobs_from_pb(worker_convert.logprobs_to_pb(lp)) == pytest.approx(lp)
+    assert worker_convert.logprobs_from_pb(worker_convert.logprobs_to_pb(None)) is None
 
 
 def test_prompt_logprobs_go_with_the_requests_first_token_only() -> None:
@@ -110,7 +111,7 @@ def test_prompt_logprobs_go_with_the_requests_first_token_only() -> None:
             "r", [1, 5, 7], tokens, "", None, None, 0, delta_token_ids=delta, prompt_logprobs=lps
         )
 
-    first = convert.chunk_from_outputs([out([9], [9]), out([9, 8], [8])])
-    assert [convert.logprobs_from_pb(lp) for lp in first.prompt_logprobs] == lps
+    first = worker_convert.chunk_from_outputs([out([9], [9]), out([9, 8], [8])])
+    assert [worker_convert.logprobs_from_pb(lp) for lp in first.prompt_logprobs] == lps
     assert list(first.token_ids) == [9, 8]
-    assert not convert.chunk_from_outputs([out([9, 8], [8])]).prompt_logprobs
+    assert not worker_convert.chunk_from_outputs([out([9, 8], [8])]).prompt_logprobs

@@ -6,8 +6,8 @@ import asyncio
 
 from prometheus_client import CollectorRegistry
 
-from ferry.services.common.engine_metrics import EngineMetrics
-from ferry.services.engine import AsyncEngine, EngineConfig, SamplingParams
+from ferry.services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from ferry.services.worker.engine_metrics import EngineMetrics
 
 
 def _scrape(registry: CollectorRegistry) -> dict[str, float]:
@@ -20,9 +20,10 @@ def _scrape(registry: CollectorRegistry) -> dict[str, float]:
 
 
 def test_gauges_follow_the_engine_through_a_preempting_batch() -> None:
-    engine = AsyncEngine(
+    inner = Engine(
         EngineConfig(model="tiny", block_size=16, num_kv_blocks=24, max_num_batched_tokens=256)
     )
+    engine = AsyncEngine(inner)
     metrics, registry = EngineMetrics(), CollectorRegistry()
     registry.register(metrics)
     metrics.add("w0", engine)
@@ -61,7 +62,7 @@ def test_gauges_follow_the_engine_through_a_preempting_batch() -> None:
         assert after["ferry_engine_requests_running"] == after["ferry_engine_requests_waiting"] == 0
         assert after["ferry_engine_kv_cache_usage_ratio"] == 0
         assert after["ferry_engine_kv_cached_blocks"] > 0  # the prompts' blocks stay cached
-        assert after["ferry_engine_preemptions_total"] == engine.engine.num_preemptions > 0
+        assert after["ferry_engine_preemptions_total"] == inner.num_preemptions > 0
         metrics.remove("w0")
         assert _scrape(registry) == {}
     finally:

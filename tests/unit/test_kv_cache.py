@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferry.services.engine.kv_cache import KVCacheManager, hash_block, prefix_hashes
+from ferry.services.common.prefix_hash import hash_block, prefix_hashes
+from ferry.services.engine.kv_cache import KVCacheManager
 from ferry.services.engine.request import Request
 from tests.helpers import make_request
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 
 from ferry.services.common.cluster_state import KvEvents
-from ferry.services.engine.kv_cache import KVCacheManager, prefix_hashes
+from ferry.services.common.prefix_hash import prefix_hashes
+from ferry.services.engine.kv_cache import KVCacheManager
 from ferry.services.scheduler.prefix_index import PrefixIndex
 from tests.helpers import make_request
 from tests.unit.test_kv_cache import run_prefill

@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.engine.sampler import Sampler
-from ferry.services.engine.sampling_params import SamplingParams
 from tests.helpers import make_request
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ferry.services.common.sampling_params import StructuredOutput
+from ferry.services.common.tokenizer import load_tokenizer, write_byte_tokenizer_json
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.request import Resumed
-from ferry.services.engine.sampling_params import StructuredOutput
 from ferry.services.engine.structured import Grammars, mask_logits
-from ferry.services.engine.tokenizer import load_tokenizer, write_byte_tokenizer_json
 
 SCHEMA = {
     "type": "object",

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from ferry.services.common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from ferry.services.engine.model import export_preset
-from ferry.services.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 TEXT = "héllo, 世界! 🚀 ok"
 

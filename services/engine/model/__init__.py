@@ -1,73 +1,42 @@
-"""The DeepSeek-V3 model runtime: ``load_model`` and ``prompt_logits`` are the public entry points."""
+"""The DeepSeek-V3 model runtime: ``load_model`` and ``prompt_logits`` (``api``) are the public
+entry points. Importing the package loads none of its modules (names resolve when first used),
+so that torch-free code can read ``config`` and ``presets``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from ferry.services.engine.experts import ExpertPlacement
+    from ferry.services.engine.model.api import load_model, model_config, prompt_logits
+    from ferry.services.engine.model.config import ConfigError, ModelConfig, RopeScaling
+    from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
+    from ferry.services.engine.model.loader import LoaderError, export_preset
+    from ferry.services.engine.model.presets import PRESETS
 
-from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model.config import ConfigError, ModelConfig, RopeScaling
-from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
-from ferry.services.engine.model.loader import (
-    LoaderError,
-    export_preset,
-    load_checkpoint,
-    load_preset,
-    read_config,
-)
-from ferry.services.engine.model.presets import PRESETS
-
-
-def load_model(
-    source: str | Path,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    placement: ExpertPlacement | None = None,
-) -> DeepseekV3ForCausalLM:
-    """A preset name (``tiny``, ``small``) or a HF checkpoint directory."""
-    if isinstance(source, str) and source in PRESETS:
-        return load_preset(source, dtype, device, placement)
-    path = Path(source)
-    if not path.is_dir():
-        raise LoaderError(
-            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
-        )
-    return load_checkpoint(path, dtype, device, placement)
+_EXPORTS = {
+    "PRESETS": "ferry.services.engine.model.presets",
+    "AttentionPath": "ferry.services.engine.model.forward_batch",
+    "ConfigError": "ferry.services.engine.model.config",
+    "DeepseekV3ForCausalLM": "ferry.services.engine.model.deepseek_v3",
+    "ExpertPlacement": "ferry.services.engine.experts",
+    "ForwardBatch": "ferry.services.engine.model.forward_batch",
+    "LoaderError": "ferry.services.engine.model.loader",
+    "ModelConfig": "ferry.services.engine.model.config",
+    "RopeScaling": "ferry.services.engine.model.config",
+    "export_preset": "ferry.services.engine.model.loader",
+    "load_model": "ferry.services.engine.model.api",
+    "model_config": "ferry.services.engine.model.api",
+    "prompt_logits": "ferry.services.engine.model.api",
+}
 
 
-def model_config(source: str | Path) -> ModelConfig:
-    """The ModelConfig of a preset or a checkpoint directory, without loading weights."""
-    if isinstance(source, str) and source in PRESETS:
-        return PRESETS[source].config
-    return read_config(Path(source))
-
-
-@torch.inference_mode()
-def prompt_logits(
-    model: DeepseekV3ForCausalLM,
-    token_ids: Sequence[int],
-    block_size: int = 64,
-    attention: AttentionPath = "auto",
-) -> torch.Tensor:
-    """Logits for every position of one prompt, [len(token_ids), vocab_size] float32, through the
-    paged cache path the engine uses (a private cache of just enough blocks)."""
-    n = len(token_ids)
-    if n == 0:
-        raise ValueError("prompt_logits needs at least one token")
-    vocab = model.config.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    num_blocks = (n + block_size - 1) // block_size
-    cache = model.allocate_kv_cache(num_blocks, block_size)
-    batch = ForwardBatch.build(
-        [n], [0], [list(range(num_blocks))], block_size, attention, model.device
-    )
-    ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
-    return model.compute_logits(model(ids, batch, cache))
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
 __all__ = [

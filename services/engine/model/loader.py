@@ -22,7 +22,7 @@ from ferry.services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_s
 from ferry.services.engine.model.config import ConfigError, ModelConfig
 from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
 from ferry.services.engine.model.layers import MoE
-from ferry.services.engine.model.presets import PRESETS, random_state_dict
+from ferry.services.engine.model.presets import PRESETS, Preset
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -260,9 +260,26 @@ def save_checkpoint(
 
 def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = None) -> Path:
     """Write preset ``name`` as a HF checkpoint that transformers and Ferry both load."""
-    from ferry.services.engine.tokenizer import write_byte_tokenizer_json
+    from ferry.services.common.tokenizer import write_byte_tokenizer_json
 
     preset = PRESETS[name]
     save_checkpoint(preset.config, random_state_dict(preset), path, max_shard_bytes)
     write_byte_tokenizer_json(Path(path))
     return Path(path)
+
+
+def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
+    """HF-named float32 weights: N(0, init_std) matrices, unit norms, a small routing bias."""
+    gen = torch.Generator().manual_seed(preset.seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(checkpoint_shapes(preset.config).items()):
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif name.endswith("e_score_correction_bias"):
+            t = (torch.rand(shape, generator=gen) - 0.5) * 0.04
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * preset.init_std
+        out[name] = t
+    return out

@@ -1,19 +1,17 @@
 """Seeded random models with DeepSeek-V3's structure, for running Ferry without weights.
 
-A preset is a config plus a seed; its weights are generated as a HF-named state dict and loaded
-through the same path as a checkpoint, so a preset and its ``ferry export-preset`` checkpoint are
-the same model. Their vocabulary is the byte-level tokenizer's.
+A preset is a config plus a seed; its weights are generated as a HF-named state dict
+(``loader.random_state_dict``) and loaded through the same path as a checkpoint, so a preset and
+its ``ferry export-preset`` checkpoint are the same model. Their vocabulary is the byte-level
+tokenizer's. No torch here: the CLI lists the presets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ferry.services.engine.model.checkpoint_names import checkpoint_shapes
+from ferry.services.common.tokenizer import ByteTokenizer
 from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)
@@ -83,20 +81,3 @@ PRESETS: dict[str, Preset] = {
         seed=1,
     ),
 }
-
-
-def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights: N(0, init_std) matrices, unit norms, a small routing bias."""
-    gen = torch.Generator().manual_seed(preset.seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in sorted(checkpoint_shapes(preset.config).items()):
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith("e_score_correction_bias"):
-            t = (torch.rand(shape, generator=gen) - 0.5) * 0.04
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * preset.init_std
-        out[name] = t
-    return out

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ferry.services.engine import AsyncEngine
+from ferry.services.engine.async_engine import AsyncEngine
 
 
 class EngineMetrics(Collector):
@@ -49,7 +49,6 @@ class EngineMetrics(Collector):
         )
         for worker, engine in list(self._engines.items()):
             load = engine.load
-            last = engine.engine.last_step
             running.add_metric([worker], load.running)
             waiting.add_metric([worker], load.waiting)
             queued.add_metric([worker], load.queued_prefill_tokens)
@@ -58,8 +57,8 @@ class EngineMetrics(Collector):
             used = load.total_kv_blocks - load.free_kv_blocks
             usage.add_metric([worker], used / load.total_kv_blocks if load.total_kv_blocks else 0)
             step.add_metric([worker], load.step_time_s)
-            step_tokens.add_metric([worker], last.num_tokens if last else 0)
-            preemptions.add_metric([worker], engine.engine.num_preemptions)
+            step_tokens.add_metric([worker], load.step_tokens)
+            preemptions.add_metric([worker], load.num_preemptions)
         yield from (running, waiting, queued, blocks, cached, usage, step, step_tokens, preemptions)
 
 

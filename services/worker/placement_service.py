@@ -12,35 +12,14 @@ import torch
 
 from ferry.protos import eplb_pb2, eplb_pb2_grpc
 from ferry.services.common.log import get_logger
+from ferry.services.common.placement_map import placement_map, slot_map
 from ferry.services.engine.expert_rebalance import OrderRejected, PlacementOrder
 
 if TYPE_CHECKING:
-    from ferry.services.common.worker import EngineWorker
+    from ferry.services.worker.engine_worker import EngineWorker
 
 log = get_logger(__name__)
 SERVICE_NAME = "ferry.v1.ExpertPlacement"
-
-
-def placement_map(version: int, slot_to_logical: torch.Tensor) -> eplb_pb2.PlacementMap:
-    layers, slots = slot_to_logical.shape
-    return eplb_pb2.PlacementMap(
-        version=version,
-        num_moe_layers=layers,
-        num_slots=slots,
-        slot_to_logical=slot_to_logical.reshape(-1).tolist(),
-    )
-
-
-def slot_map(m: eplb_pb2.PlacementMap) -> torch.Tensor:
-    """[num_moe_layers, num_slots] int64; ValueError when the sizes do not add up."""
-    if m.num_moe_layers * m.num_slots != len(m.slot_to_logical) or not m.num_slots:
-        raise ValueError(
-            f"{len(m.slot_to_logical)} slot entries for {m.num_moe_layers} MoE "
-            f"layers x {m.num_slots} slots"
-        )
-    return torch.tensor(list(m.slot_to_logical), dtype=torch.long).view(
-        m.num_moe_layers, m.num_slots
-    )
 
 
 class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
@@ -50,7 +29,7 @@ class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
     async def ApplyPlacement(
         self, request: eplb_pb2.ApplyPlacementRequest, context: grpc.aio.ServicerContext
     ) -> eplb_pb2.PlacementApplied:
-        rebalancer = self.worker.engine.engine.rebalancer
+        rebalancer = self.worker.engine.rebalancer
         assert rebalancer is not None  # only DEP ranks serve this
         if request.group != self.worker.dep_group:
             await context.abort(
@@ -59,7 +38,7 @@ class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
             )
         version = request.placement.version
         try:
-            order = PlacementOrder(version, slot_map(request.placement))
+            order = PlacementOrder(version, torch.from_numpy(slot_map(request.placement)))
             future = rebalancer.submit(order)
         except OrderRejected as e:
             code = (
@@ -93,6 +72,8 @@ class PlacementServicer(eplb_pb2_grpc.ExpertPlacementServicer):
     async def GetPlacement(
         self, request: eplb_pb2.GetPlacementRequest, context: grpc.aio.ServicerContext
     ) -> eplb_pb2.PlacementMap:
-        rebalancer = self.worker.engine.engine.rebalancer
+        rebalancer = self.worker.engine.rebalancer
         assert rebalancer is not None
-        return placement_map(*rebalancer.current())
+        reply = placement_map(*rebalancer.current())
+        reply.num_expert_groups = self.worker.engine.info.num_expert_groups
+        return reply

@@ -1,5 +1,6 @@
-"""What the prefill and decode workers share: config, the engine, the KV transport, and their
-registration and load reports in Redis."""
+"""EngineWorker: what the prefill, decode and aggregated workers share: one AsyncEngine, the KV
+transports, their registration, load, KV events and expert load in Redis, and the health watch
+that takes a worker that can no longer serve out of the cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -23,18 +23,20 @@ from ferry.services.common.cluster_state import (
     LoadReport,
     WorkerRecord,
 )
-from ferry.services.common.config import ServiceConfig
-from ferry.services.common.engine_metrics import ENGINES
 from ferry.services.common.log import get_logger
-from ferry.services.common.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
-from ferry.services.common.placement_service import PlacementServicer
 from ferry.services.common.server import Service
-from ferry.services.engine import AsyncEngine, Engine, EngineConfig
+from ferry.services.engine.async_engine import AsyncEngine
+from ferry.services.engine.engine import Engine
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model import model_config
-from ferry.services.kv_transfer import KvTransport, LayoutFingerprint, TransferError
+from ferry.services.engine.model.api import model_config
+from ferry.services.kv_transfer.handle import LayoutFingerprint, TransferError
+from ferry.services.kv_transfer.transport import KvTransport
 from ferry.services.kv_transfer.ucx import WEDGED_HINT, stop_service_threads, use_service_defaults
+from ferry.services.worker.config import WorkerConfig
+from ferry.services.worker.engine_metrics import ENGINES
+from ferry.services.worker.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
+from ferry.services.worker.placement_service import PlacementServicer
 
 log = get_logger(__name__)
 KV_EVENTS_PERIOD_S = 0.1
@@ -42,37 +44,6 @@ PROBE_TIMEOUT_S = 5.0  # a healthy UCX self-connection takes a few ms
 PROBE_FAILURES = 2  # in a row: one slow probe on a loaded machine is not a wedge
 LEAVE_MARGIN_S = 10.0  # a worker that leaves exits at most this long after its grace
 KV_EVENT_ROLES = ("prefill", "aggregated")  # the workers requests start on
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    kv_transport: str = "ucx"
-    kv_port: int = 0  # the KV transport's listener (prefill); 0: any free port
-    lease_seconds: float = 30.0  # how long exported KV waits for its pull
-    transfer_timeout_s: float = 30.0
-    verify_checksum: bool = False  # CRC32 every transfer (tests)
-    kv_probe_interval_s: float = 5.0  # how often the KV transports check they can connect
-    torch_threads: int = 0  # 0: torch's default
-    dep_size: int = 1  # ranks in this worker's DEP group (1: not a group)
-    dep_rank: int = 0
-    dep_master: str = ""  # host:port where rank 0 meets the others
-    dep_group: str = ""  # the group's name in Redis (default: the master's address)
-    num_redundant_experts: int = 0
-    dep_timeout_s: float = 10.0  # a rank silent this long fails its group's collectives
-
-    def __post_init__(self) -> None:
-        if self.lease_seconds <= 0 or self.transfer_timeout_s <= 0:
-            raise ValueError("lease_seconds and transfer_timeout_s must be positive")
-        if self.torch_threads < 0:
-            raise ValueError("torch_threads must be >= 0")
-        if self.kv_probe_interval_s < 0:
-            raise ValueError("kv_probe_interval_s must be >= 0 (0: no probes)")
-        if self.dep_size < 1 or not 0 <= self.dep_rank < self.dep_size:
-            raise ValueError(f"dep_rank {self.dep_rank} outside 0..{self.dep_size - 1}")
-        if self.dep_size > 1 and not self.dep_master:
-            raise ValueError("a DEP group (dep_size > 1) needs dep_master host:port")
 
 
 class EngineWorker(Service):
@@ -125,18 +96,13 @@ class EngineWorker(Service):
 
     @property
     def layout(self) -> LayoutFingerprint:
-        eng = self.engine.engine
-        cache = eng.kv_cache
+        info = self.engine.info
         return LayoutFingerprint(
-            eng.model_fingerprint,
-            self.config.engine.dtype,
-            cache.shape[0],
-            cache.shape[3],
-            cache.shape[2],
+            info.model_fingerprint, info.dtype, info.num_layers, info.kv_dim, info.block_size
         )
 
     async def start(self, address: str, metrics_port: int) -> None:
-        eng = self.engine.engine
+        info = self.engine.info
         record = WorkerRecord(
             worker_id=self.worker_id,
             role=self.role,
@@ -144,10 +110,10 @@ class EngineWorker(Service):
             kv_address=self.kv_address,
             kv_transport=self.config.kv_transport,
             model=self.config.engine.model,
-            model_fingerprint=eng.model_fingerprint,
-            max_model_len=eng.max_model_len,
-            block_size=eng.kv.block_size,
-            num_kv_blocks=eng.kv.num_blocks,
+            model_fingerprint=info.model_fingerprint,
+            max_model_len=info.max_model_len,
+            block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks,
             metrics_port=metrics_port,
             pid=os.getpid(),
             started_at=time.time(),
@@ -158,7 +124,7 @@ class EngineWorker(Service):
         self._watch = asyncio.create_task(self._watch_health())
         self._publish = asyncio.create_task(self._publish_expert_load())
         if self.role in KV_EVENT_ROLES:
-            eng.kv.record_events()
+            self.engine.record_kv_events()
             self._kv_events = asyncio.create_task(self._publish_kv_events())
 
     async def _publish_expert_load(self) -> None:
@@ -166,17 +132,16 @@ class EngineWorker(Service):
         group of an independent worker is the worker itself)."""
         group = self.dep_group or self.worker_id
         rank = self.config.dep_rank if self.dep_group else 0
-        eng = self.engine.engine
         while True:
             await asyncio.sleep(self.config.service.heartbeat_s)
-            load = eng.expert_load
+            load = self.engine.expert_load()
             report = ExpertLoadReport(
-                counts=load.window().tolist(),
+                counts=load.counts,
                 steps_total=load.steps_total,
                 updated_at=time.time(),
-                placement_version=eng.rebalancer.version if eng.rebalancer else 0,
-                placement_step=eng.placement_step,
-                snapshots=load.recent_snapshots(),
+                placement_version=load.placement_version,
+                placement_step=load.placement_step,
+                snapshots=load.snapshots,
             )
             with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
                 await self.cluster.publish_expert_load(group, rank, report)
@@ -185,10 +150,9 @@ class EngineWorker(Service):
         """Every KV_EVENTS_PERIOD_S with changes: this worker's prefix-cache events, for the
         schedulers' prefix indexes. The first entry, and the first after Redis was away (its
         events were lost), starts over: ``cleared`` with every hash the cache holds now."""
-        kv = self.engine.engine.kv
         start_over = True
         while True:
-            events = kv.take_events(snapshot=start_over)
+            events = self.engine.take_kv_events(snapshot=start_over)
             if events or start_over:
                 try:
                     await self.cluster.publish_kv_events(
@@ -260,8 +224,6 @@ class EngineWorker(Service):
         self.engine.shutdown()
         stop_service_threads()
 
-
-KV_ERROR_KEY = "ferry-kv-error"  # trailing metadata: the pull failed on the exporter's side
 
 _TRANSFER_CODES = {
     "no_blocks": grpc.StatusCode.RESOURCE_EXHAUSTED,
