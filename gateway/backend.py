@@ -172,8 +172,7 @@ class Backend:
                 with replica.streaming():
                     async for chunk in call:
                         streamed = True
-                        sent.add(chunk)
-                        chunk.request_id = rid  # not a continuation's
+                        sent.forward(chunk, rid)
                         yield chunk
                         if chunk.finish_reason:  # a connection lost after it loses nothing
                             return
@@ -181,11 +180,9 @@ class Backend:
             except grpc.aio.AioRpcError as e:
                 if not await replica.dropped(e):
                     raise from_grpc(e.code(), e.details() or "") from e
-                if streamed and sent.moves < self.config.migration_limit:
-                    sent.moves += 1
+                if streamed and sent.can_move(self.config.migration_limit):
                     metrics.MIGRATIONS.inc()
-                    req = sent.rest(first)
-                    req.request_id = f"{rid}.g{sent.moves}"  # the old one may linger on a worker
+                    req = sent.move(first, rid, "g")
                 elif not streamed and not retried:
                     retried = True
                 else:

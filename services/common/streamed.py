@@ -1,7 +1,8 @@
 """What a request has streamed to its client, and the request that goes on from there. This is
-the seam of request migration, one level apart: the scheduler moves a request whose worker went
-away (``--migration-limit`` of the scheduler), the gateway one whose scheduler went away
-(``--migration-limit`` of the gateway)."""
+the seam of request migration, shared by two loops one level apart: the scheduler moves a
+request whose worker went away (``--migration-limit`` of the scheduler), the gateway one whose
+scheduler went away (``--migration-limit`` of the gateway). Both forward each chunk through
+``forward``, ask ``can_move`` when their call fails, and send ``move``'s request on."""
 
 from __future__ import annotations
 
@@ -29,6 +30,25 @@ class Streamed:
     def add(self, chunk: common_pb2.TokenChunk) -> None:
         self.token_ids.extend(chunk.token_ids)
         self.num_chars += len(chunk.text)
+
+    def forward(self, chunk: common_pb2.TokenChunk, request_id: str) -> None:
+        """Count ``chunk`` as sent, under the client's request id (not a moved part's)."""
+        self.add(chunk)
+        chunk.request_id = request_id
+
+    def can_move(self, limit: int) -> bool:
+        """The request has streamed tokens, and fewer than ``limit`` moves so far."""
+        return bool(self.token_ids) and self.moves < limit
+
+    def move(
+        self, request: scheduler_pb2.GenerateRequest, request_id: str, tag: str
+    ) -> scheduler_pb2.GenerateRequest:
+        """One more move: the rest of ``request`` under ``{request_id}.{tag}{moves}`` (the part
+        before it may linger on its worker under the old id)."""
+        self.moves += 1
+        part = self.rest(request)
+        part.request_id = f"{request_id}.{tag}{self.moves}"
+        return part
 
     def resumed(self) -> common_pb2.Resumed:
         return common_pb2.Resumed(

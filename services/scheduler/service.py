@@ -1,33 +1,39 @@
-"""Scheduler over gRPC: ``Generate`` runs one request through prefill, KV transfer and decode,
-or on one aggregated worker.
+"""Scheduler over gRPC: ``Generate`` serves one request on the cluster's workers.
 
-Aggregated workers come first: when one is registered, the request goes to it (the routing
-policy picks which), and its one engine prefills and decodes it; no KV moves. When every
-aggregated worker refuses (full or down) before streaming anything and prefill workers are
-registered, the request takes the disaggregated path below; with no aggregated worker it always
-does. So a mixed cluster fills its aggregated workers first and spills over to P/D pairs.
+A request's path is one loop over attempts (``Scheduler.generate``). An attempt is one call to
+one worker, at one stage of the request:
 
-1. Pick a prefill worker (the routing policy, over the ClusterView; ``kv_aware`` weighs how much
-   of the prompt each one holds in its prefix cache, from the workers' KV events) and call ``Prefill``; when
-   the worker is down or full, retry on another one (bounded, with backoff): nothing has been
-   streamed yet.
-2. Stream the first token at once (that is the time to first token).
-3. Pick a decode worker and stream its ``Decode``. A decode worker that is down or full before
-   it sent anything is replaced by another: the KV still waits under its lease on the prefill
-   worker. Any later failure ends the stream with the original status, unless the request may
-   move (``migration_limit``, as Dynamo's request migration): a worker that died or went away
-   after tokens were streamed, and the request goes on from where it was on another worker,
-   with what it generated appended to its prompt (``Resumed`` tells the worker which tokens
-   those are and how much of their text the client has). Greedy requests go on with the tokens
-   they would have had; a seeded one draws new random numbers from its seed.
-Cancelling ``Generate`` (or ``Abort``) cancels the worker RPC in flight, which aborts the request
-there, and releases a lease that no decode worker has pulled. No request state goes to Redis.
+- ``aggregated``: Decode without a KV handle on an aggregated worker, which prefills and decodes;
+- ``prefill``: Prefill on a prefill worker, which answers with the first token and a KV handle;
+  the first token streams at once (that is the time to first token);
+- ``decode``: Decode with that handle on a decode worker, which pulls the KV and streams the rest.
+
+A call that fails becomes a ``Failure`` (a value), and ``next_step`` decides what follows:
+
+- ``RETRY``: it failed before it streamed anything in a way another worker may not (UNAVAILABLE,
+  RESOURCE_EXHAUSTED), and the stage has attempts left: the same stage on another worker, after
+  a backoff. A decode retry pulls the same KV: it waits under its lease on the prefill worker.
+- ``FALL_BACK``: no aggregated worker took the request before streaming, and prefill workers
+  are registered: prefill then decode. A mixed cluster fills its aggregated workers first and
+  spills over to P/D pairs.
+- ``MIGRATE``: tokens were streamed and the worker went away (UNAVAILABLE, ABORTED, CANCELLED,
+  DEADLINE_EXCEEDED), and ``migration_limit`` allows another move: the request goes on from where
+  it was, as a request whose prompt holds what it generated (``Streamed.move``; Dynamo's request
+  migration), from the first stage again.
+- ``FAIL``: the Generate ends with the call's status and message.
+
+Aggregated workers come first whenever one is registered. Cancelling ``Generate`` (or ``Abort``)
+cancels the call in flight, which aborts the request on its worker, and releases a lease no
+decode worker pulled. A worker whose registry record expires while it serves a call (it hung, or
+its host went away) has that call cut, which then fails UNAVAILABLE like a crash's. No request
+state goes to Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import os
 import time
 import uuid
@@ -100,6 +106,62 @@ class Failed(Exception):
         self.message = message
 
 
+@dataclass(frozen=True)
+class Failure:
+    """How one worker call failed."""
+
+    stage: str  # aggregated | prefill | decode
+    worker_id: str  # "" when no worker of the stage was left to call
+    code: grpc.StatusCode
+    details: str
+    attempt: int = 0  # of the stage, from 0
+    streamed: bool = False  # the call had streamed chunks when it failed
+    kv_error: bool = False  # a Decode whose KV pull failed on the exporter's side
+
+    @classmethod
+    def of(cls, stage: str, worker_id: str, e: grpc.aio.AioRpcError, **kw: object) -> Failure:
+        kv_error = any(k == KV_ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
+        return cls(stage, worker_id, e.code(), e.details() or "", kv_error=kv_error, **kw)  # type: ignore[arg-type]
+
+    @property
+    def message(self) -> str:
+        if not self.worker_id:  # none was left to call
+            return self.details
+        nth = f" (attempt {self.attempt + 1})" if self.attempt else ""
+        return f"{self.stage} worker {self.worker_id}{nth}: {self.details}"
+
+
+class Step(enum.Enum):
+    RETRY = "retry"  # the same stage on another worker
+    FALL_BACK = "fall_back"  # prefill then decode, after no aggregated worker took it
+    MIGRATE = "migrate"  # go on from what was streamed, from the first stage
+    FAIL = "fail"  # end the Generate with the failure's status
+
+
+def next_step(
+    f: Failure, *, max_attempts: int, others_left: bool, can_fall_back: bool, can_move: bool
+) -> Step:
+    """What follows a failed call. ``others_left``: the stage has untried workers;
+    ``can_fall_back``: prefill workers are registered; ``can_move``: the request has streamed
+    tokens and may move again (its migration limit)."""
+    retryable = f.code in RETRYABLE and not f.streamed and not f.kv_error
+    if retryable and others_left and f.attempt + 1 < max_attempts:
+        return Step.RETRY
+    if f.stage == "aggregated" and retryable and can_fall_back:
+        return Step.FALL_BACK
+    if can_move and f.code in MIGRATABLE:
+        return Step.MIGRATE
+    return Step.FAIL
+
+
+@dataclass
+class _Lease:
+    """A prefill's KV under its lease on the prefill worker, until a decode worker pulls it."""
+
+    worker: WorkerRecord
+    result: prefill_worker_pb2.PrefillResult
+
+
 class Scheduler(Service):
     role = "scheduler"
     service_names = ("ferry.v1.Scheduler",)
@@ -155,111 +217,127 @@ class Scheduler(Service):
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, rid: str
     ) -> AsyncIterator[common_pb2.TokenChunk]:
+        """The request's chunks, under ``rid``; Failed (a status and message) when it cannot be
+        served. The loop over attempts is described in the module's docstring."""
         route = await self._route_request(request, rid)
         started = time.perf_counter()
         sent = Streamed.after(request)
-        resumed = request.resumed if request.HasField("resumed") else None
-        part, worker_rid = request, rid
-        while True:
-            try:
-                serving = self._serve(part, worker_rid, route, resumed)
-                async with contextlib.aclosing(serving) as chunks:
-                    async for chunk in chunks:
-                        if not sent.token_ids:
-                            metrics.TTFT.observe(time.perf_counter() - started)
-                        sent.add(chunk)
-                        chunk.request_id = rid  # not a moved part's worker-side id
-                        metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
-                        if chunk.finish_reason:
-                            if resumed is not None:  # usage of the whole request, not of this part
-                                sent.count_usage(chunk.usage, request)
-                            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
-                            metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
-                        yield chunk
-                        if chunk.finish_reason:
-                            return  # what fails after the last chunk is not the client's
-                return
-            except Failed as f:
-                if not (
-                    sent.moves < self.config.migration_limit
-                    and sent.token_ids
-                    and f.code in MIGRATABLE
-                ):
-                    raise
-                sent.moves += 1
-                log.warning(
-                    "migrating",
-                    reason=f.message,
-                    code=f.code.name,
-                    generated=len(sent.token_ids),
-                    migration=sent.moves,
-                )
-                metrics.MIGRATIONS.inc()
-                part = sent.rest(request)
-                resumed = part.resumed
-                worker_rid = f"{rid}.m{sent.moves}"  # the old one may linger on a worker
-                route = await self._route_request(part, rid)
-
-    async def _serve(
-        self,
-        request: scheduler_pb2.GenerateRequest,
-        rid: str,
-        route: RouteRequest,
-        resumed: common_pb2.Resumed | None = None,
-    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:
-        """On an aggregated worker when there is one; else, or when every aggregated worker
-        refused before streaming and there are prefill workers, prefill then decode."""
-        if self.view.workers("aggregated"):
-            msg = decode_worker_pb2.DecodeRequest(
-                request_id=rid,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                resumed=resumed,
-            )
-            streamed = False
-            try:
-                async for chunk in self._stream("aggregated", msg, route):
-                    if not streamed:  # taken: no falling back from here on
-                        metrics.PATHS.labels("aggregated").inc()
-                        streamed = True
-                    yield chunk
-                    if chunk.finish_reason:  # done: a failure after this one is not the client's
+        part = request  # what the workers are asked for: the request, or its rest after a move
+        part_id = rid  # the workers' id of the part: a move's old part may linger on its worker
+        stage = self._first_stage()
+        tried: dict[str, Failure] = {}  # this stage's failed workers
+        lease: _Lease | None = None
+        try:
+            while True:
+                cand = await self._pick(stage, tried, route)
+                if cand is None:
+                    failure = self._none_left(stage, tried)
+                elif stage == "prefill":
+                    if not tried:
+                        metrics.PATHS.labels("disaggregated").inc()
+                    prefilled = await self._prefill(cand, part, part_id, route, len(tried))
+                    if isinstance(prefilled, _Lease):
+                        lease = prefilled
+                        first = common_pb2.TokenChunk()
+                        first.CopyFrom(lease.result.first)
+                        if not first.finish_reason:
+                            first.ClearField("usage")  # clients get usage on the last chunk only
+                        yield self._forward(first, rid, sent, request, started)
+                        if first.finish_reason:
+                            return
+                        stage, tried = "decode", {}
+                        continue
+                    failure = prefilled
+                else:
+                    msg = self._decode_request(stage, part, part_id, lease)
+                    call = _Call(self, stage, cand, len(tried))
+                    async with contextlib.aclosing(call.chunks(msg, route)) as chunks:
+                        async for chunk in chunks:
+                            yield self._forward(chunk, rid, sent, request, started)
+                            if chunk.finish_reason:
+                                return  # what fails after the last chunk is not the client's
+                    if call.failure is None:
                         return
-                return
-            except Failed as f:
-                if streamed or f.code not in RETRYABLE or not self.view.workers("prefill"):
-                    raise
-                log.info(
-                    "no aggregated worker took the request; prefill then decode", code=f.code.name
-                )
-        metrics.PATHS.labels("disaggregated").inc()
-        async for chunk in self._disaggregated(request, rid, route, resumed):
-            yield chunk
-
-    async def _disaggregated(
-        self,
-        request: scheduler_pb2.GenerateRequest,
-        rid: str,
-        route: RouteRequest,
-        resumed: common_pb2.Resumed | None,
-    ) -> AsyncIterator[common_pb2.TokenChunk]:
-        result, prefill = await self._prefill(request, rid, route, resumed)
-        first = result.first
-        if first.finish_reason:
-            yield first
-            return
-        decode = _decode_request(request, rid, result, resumed)
-        first.ClearField("usage")  # clients get usage on the last chunk only
-        try:  # a client gone right after the first token must release the lease too
-            yield first
-            async for chunk in self._stream("decode", decode, route):
-                yield chunk
+                    failure = call.failure
+                step = self._after(failure, tried, sent)
+                if step is Step.RETRY:
+                    tried[failure.worker_id] = failure
+                    log.info(
+                        "retrying", stage=stage, worker=failure.worker_id, code=failure.code.name
+                    )
+                    metrics.RETRIES.labels(stage).inc()
+                    await asyncio.sleep(self.config.retry_backoff_s * 2**failure.attempt)
+                elif step is Step.FALL_BACK:
+                    log.info(
+                        "no aggregated worker took the request; prefill then decode",
+                        code=failure.code.name,
+                    )
+                    stage, tried = "prefill", {}
+                elif step is Step.MIGRATE:
+                    await self._release(lease)
+                    lease = None
+                    part = sent.move(request, rid, "m")
+                    part_id = part.request_id
+                    log.warning(
+                        "migrating",
+                        reason=failure.message,
+                        code=failure.code.name,
+                        generated=len(sent.token_ids),
+                        migration=sent.moves,
+                    )
+                    metrics.MIGRATIONS.inc()
+                    route = await self._route_request(part, rid)
+                    stage, tried = self._first_stage(), {}
+                else:
+                    raise Failed(failure.code, failure.message)
         finally:  # a no-op once a decode worker pulled it; frees it when none did
-            await self._release(prefill, result.kv_handle.transfer_id)
+            await self._release(lease)
+
+    def _after(self, failure: Failure, tried: dict[str, Failure], sent: Streamed) -> Step:
+        if (
+            failure.code == grpc.StatusCode.UNAVAILABLE
+            and failure.worker_id
+            and not failure.kv_error
+        ):
+            self.view.suspect(failure.worker_id)  # down or going away: the next picks avoid it
+        others = self.view.candidates(failure.stage, {*tried, failure.worker_id})
+        return next_step(
+            failure,
+            max_attempts=self.config.max_attempts,
+            others_left=bool(others),
+            can_fall_back=bool(self.view.workers("prefill")),
+            can_move=sent.can_move(self.config.migration_limit),
+        )
+
+    def _forward(
+        self,
+        chunk: common_pb2.TokenChunk,
+        rid: str,
+        sent: Streamed,
+        request: scheduler_pb2.GenerateRequest,
+        started: float,
+    ) -> common_pb2.TokenChunk:
+        """A worker's chunk as the client sees it: under the request's id; the last one with the
+        whole request's usage (a moved request's workers saw only their part)."""
+        if not sent.token_ids:
+            metrics.TTFT.observe(time.perf_counter() - started)
+        sent.forward(chunk, rid)
+        metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+        if chunk.finish_reason:
+            if request.HasField("resumed") or sent.moves:
+                sent.count_usage(chunk.usage, request)
+            metrics.PROMPT_TOKENS.inc(chunk.usage.prompt_tokens)
+            metrics.CACHED_TOKENS.inc(chunk.usage.cached_tokens)
+        return chunk
+
+    def _first_stage(self) -> str:
+        return "aggregated" if self.view.workers("aggregated") else "prefill"
 
     async def _route_request(
         self, request: scheduler_pb2.GenerateRequest, rid: str
     ) -> RouteRequest:
+        """What the routing policy needs of a request, after checking it: Failed with
+        INVALID_ARGUMENT for a request no worker could serve, UNAVAILABLE when none is up."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise Failed(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
@@ -301,72 +379,93 @@ class Scheduler(Service):
         """The workers a request can start on: aggregated ones first, then prefill ones."""
         return self.view.workers("aggregated") + self.view.workers("prefill")
 
+    async def _pick(
+        self, stage: str, tried: dict[str, Failure], route: RouteRequest
+    ) -> Candidate | None:
+        """The policy's worker for ``stage`` among those not tried yet; None when none is left."""
+        hashes = route.block_hashes if stage != "decode" else ()
+        cands = self.view.candidates(stage, tried, hashes)
+        if not cands and not tried:  # the view is refresh_s old: a worker may have just joined
+            await self.view.refresh()
+            cands = self.view.candidates(stage, tried, hashes)
+        if not cands:
+            return None
+        pick = {
+            "prefill": self.policy.pick_prefill,
+            "decode": self.policy.pick_decode,
+            "aggregated": self.policy.pick_aggregated,
+        }[stage]
+        chosen = pick(cands, route)
+        metrics.EXPECTED_CACHED_TOKENS.inc(chosen.cached_blocks * route.block_size)
+        return chosen
+
+    def _none_left(self, stage: str, tried: dict[str, Failure]) -> Failure:
+        """The failure when no worker of ``stage`` is left: the last one's, if any was tried."""
+        if tried:
+            last = list(tried.values())[-1]
+            return Failure(stage, "", last.code, last.message, attempt=self.config.max_attempts)
+        return Failure(stage, "", grpc.StatusCode.UNAVAILABLE, f"no {stage} worker is registered")
+
     async def _prefill(
         self,
-        request: scheduler_pb2.GenerateRequest,
-        rid: str,
+        cand: Candidate,
+        part: scheduler_pb2.GenerateRequest,
+        part_id: str,
         route: RouteRequest,
-        resumed: common_pb2.Resumed | None,
-    ) -> tuple[prefill_worker_pb2.PrefillResult, WorkerRecord]:
+        attempt: int,
+    ) -> _Lease | Failure:
+        """The prefill's first token and KV handle, or how the call failed."""
         msg = prefill_worker_pb2.PrefillRequest(
-            request_id=rid,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params,
+            request_id=part_id,
+            prompt_token_ids=part.prompt_token_ids,
+            sampling_params=part.sampling_params,
+            resumed=part.resumed if part.HasField("resumed") else None,
+        )
+        call = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record)).Prefill(msg)
+        with (
+            self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
+            self._cut_if_gone(cand.record, call) as gone,
+        ):
+            try:
+                return _Lease(cand.record, await call)
+            except grpc.aio.AioRpcError as e:
+                return Failure.of("prefill", cand.worker_id, e, attempt=attempt)
+            except asyncio.CancelledError:
+                if not _was_cut(gone):
+                    raise
+                return _gone("prefill", cand.worker_id, attempt, streamed=False)
+
+    def _decode_request(
+        self,
+        stage: str,
+        part: scheduler_pb2.GenerateRequest,
+        part_id: str,
+        lease: _Lease | None,
+    ) -> decode_worker_pb2.DecodeRequest:
+        """An aggregated worker's Decode (it prefills too), or the Decode that continues a
+        prefill: its first token and the handle of its KV."""
+        resumed = part.resumed if part.HasField("resumed") else None
+        if stage == "aggregated" or lease is None:
+            return decode_worker_pb2.DecodeRequest(
+                request_id=part_id,
+                prompt_token_ids=part.prompt_token_ids,
+                sampling_params=part.sampling_params,
+                resumed=resumed,
+            )
+        first = lease.result.first
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(part.sampling_params)
+        params.ClearField("prompt_logprobs")  # the prefill worker sent them with the first token
+        return decode_worker_pb2.DecodeRequest(
+            request_id=part_id,
+            prompt_token_ids=part.prompt_token_ids,
+            sampling_params=params,
+            first_token_id=first.token_ids[0],
+            first_logprobs=first.logprobs[0] if first.logprobs else None,
+            kv_handle=lease.result.kv_handle,
+            num_cached_tokens=lease.result.first.usage.cached_tokens,
             resumed=resumed,
         )
-        tried: dict[str, Failed] = {}
-        for attempt in range(self.config.max_attempts):
-            cand = await self._pick("prefill", tried, route)
-            stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
-            call = stub.Prefill(msg)
-            try:
-                with (
-                    self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
-                    self._cut_if_gone(cand.record, call) as gone,
-                ):
-                    try:
-                        return await call, cand.record
-                    except asyncio.CancelledError:
-                        if not _was_cut(gone):
-                            raise
-                        raise _gone_error("prefill", cand.worker_id) from None
-            except grpc.aio.AioRpcError as e:
-                tried[cand.worker_id] = await self._after_failure(
-                    "prefill", cand, e, attempt, False
-                )
-        raise AssertionError("unreachable: the last attempt raises")
-
-    async def _stream(
-        self, role: str, msg: decode_worker_pb2.DecodeRequest, route: RouteRequest
-    ) -> AsyncIterator[common_pb2.TokenChunk]:
-        """Stream ``msg``'s Decode from a worker of ``role`` (decode: the KV waits under its
-        lease; aggregated: it prefills too). A worker that refuses or is down before it sent
-        anything is replaced by another."""
-        tokens = route.num_prompt_tokens if role == "aggregated" else 0
-        tried: dict[str, Failed] = {}
-        for attempt in range(self.config.max_attempts):
-            cand = await self._pick(role, tried, route)
-            stub = decode_worker_pb2_grpc.DecodeWorkerStub(self.channel(cand.record))
-            call = stub.Decode(msg)
-            streamed = False
-            try:
-                with (
-                    self.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1),
-                    self._cut_if_gone(cand.record, call) as gone,
-                ):
-                    try:
-                        async for chunk in call:
-                            streamed = True
-                            yield chunk
-                    except asyncio.CancelledError:
-                        if not _was_cut(gone):
-                            raise
-                        raise _gone_error(role, cand.worker_id) from None
-                return
-            except grpc.aio.AioRpcError as e:
-                tried[cand.worker_id] = await self._after_failure(role, cand, e, attempt, streamed)
-            finally:
-                call.cancel()  # a no-op when the stream has ended
 
     @contextlib.contextmanager
     def _cut_if_gone(self, worker: WorkerRecord, call: grpc.aio.Call) -> Iterator[asyncio.Event]:
@@ -385,47 +484,12 @@ class Scheduler(Service):
             finally:
                 cutter.cancel()
 
-    async def _pick(self, role: str, tried: dict[str, Failed], route: RouteRequest) -> Candidate:
-        hashes = route.block_hashes if role != "decode" else ()
-        cands = self.view.candidates(role, tried, hashes)
-        if not cands and not tried:  # the view is refresh_s old: a worker may have just joined
-            await self.view.refresh()
-            cands = self.view.candidates(role, tried, hashes)
-        if not cands:
-            if tried:  # every worker failed: the last failure says why
-                raise list(tried.values())[-1]
-            raise Failed(grpc.StatusCode.UNAVAILABLE, f"no {role} worker is registered")
-        pick = {
-            "prefill": self.policy.pick_prefill,
-            "decode": self.policy.pick_decode,
-            "aggregated": self.policy.pick_aggregated,
-        }[role]
-        chosen = pick(cands, route)
-        metrics.EXPECTED_CACHED_TOKENS.inc(chosen.cached_blocks * route.block_size)
-        return chosen
-
-    async def _after_failure(
-        self, stage: str, cand: Candidate, e: grpc.aio.AioRpcError, attempt: int, streamed: bool
-    ) -> Failed:
-        """Raise Failed unless the call may be retried on another worker; else back off and
-        return the failure (raised when no other worker is left)."""
-        code = e.code()
-        kv_error = any(k == KV_ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
-        where = f"{stage} worker {cand.worker_id}"
-        if code == grpc.StatusCode.UNAVAILABLE and not kv_error:  # down or going away: route
-            self.view.suspect(cand.worker_id)  # around it, a retry's and a migration's next pick
-        if streamed or kv_error or code not in RETRYABLE:
-            raise Failed(code, f"{where}: {e.details()}")
-        if attempt + 1 == self.config.max_attempts:
-            raise Failed(code, f"{where} (attempt {attempt + 1}, the last): {e.details()}")
-        log.info("retrying", stage=stage, worker=cand.worker_id, code=code.name)
-        metrics.RETRIES.labels(stage).inc()
-        await asyncio.sleep(self.config.retry_backoff_s * 2**attempt)
-        return Failed(code, f"{where}: {e.details()}")
-
-    async def _release(self, prefill: WorkerRecord, transfer_id: str) -> None:
-        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(prefill))
-        req = prefill_worker_pb2.ReleaseRequest(transfer_id=transfer_id)
+    async def _release(self, lease: _Lease | None) -> None:
+        """Free a prefill's KV that no decode worker pulled (a no-op once one has)."""
+        if lease is None:
+            return
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(lease.worker))
+        req = prefill_worker_pb2.ReleaseRequest(transfer_id=lease.result.kv_handle.transfer_id)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await asyncio.shield(stub.Release(req, timeout=2.0))
 
@@ -438,42 +502,59 @@ class Scheduler(Service):
         return reply
 
 
+class _Call:
+    """One Decode stream from one worker: its chunks, then how it ended (``failure``: None when
+    the stream finished)."""
+
+    def __init__(self, scheduler: Scheduler, stage: str, cand: Candidate, attempt: int) -> None:
+        self.scheduler = scheduler
+        self.stage = stage
+        self.cand = cand
+        self.attempt = attempt
+        self.failure: Failure | None = None
+
+    async def chunks(
+        self, msg: decode_worker_pb2.DecodeRequest, route: RouteRequest
+    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:
+        s, cand, attempt = self.scheduler, self.cand, self.attempt
+        call = decode_worker_pb2_grpc.DecodeWorkerStub(s.channel(cand.record)).Decode(msg)
+        # an aggregated worker computes the prompt too; either holds its blocks (+1 to grow)
+        tokens = route.num_prompt_tokens if self.stage == "aggregated" else 0
+        streamed = False
+        try:
+            with (
+                s.view.routed(cand.worker_id, tokens=tokens, blocks=route.num_blocks + 1),
+                s._cut_if_gone(cand.record, call) as gone,
+            ):
+                try:
+                    async for chunk in call:
+                        if not streamed and self.stage == "aggregated":
+                            metrics.PATHS.labels("aggregated").inc()
+                        streamed = True
+                        yield chunk
+                except grpc.aio.AioRpcError as e:
+                    self.failure = Failure.of(
+                        self.stage, cand.worker_id, e, attempt=attempt, streamed=streamed
+                    )
+                except asyncio.CancelledError:
+                    if not _was_cut(gone):
+                        raise
+                    self.failure = _gone(self.stage, cand.worker_id, attempt, streamed)
+        finally:
+            call.cancel()  # a no-op when the stream has ended
+
+
 def _was_cut(gone: asyncio.Event) -> bool:
     """A CancelledError came from _cut_if_gone, not from this task being cancelled."""
     task = asyncio.current_task()
     return gone.is_set() and not (task is not None and task.cancelling())
 
 
-def _gone_error(stage: str, worker_id: str) -> grpc.aio.AioRpcError:
+def _gone(stage: str, worker_id: str, attempt: int, streamed: bool) -> Failure:
     """A call cut under _cut_if_gone fails UNAVAILABLE, as if its connection had dropped: it
     is retried, or moved, like one."""
-    why = f"{stage} worker {worker_id} left the registry (no heartbeat) while serving this call"
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=why
-    )
-
-
-def _decode_request(
-    request: scheduler_pb2.GenerateRequest,
-    rid: str,
-    result: prefill_worker_pb2.PrefillResult,
-    resumed: common_pb2.Resumed | None,
-) -> decode_worker_pb2.DecodeRequest:
-    """The Decode that continues a prefill: its first token and the handle of its KV."""
-    first = result.first
-    params = common_pb2.SamplingParams()
-    params.CopyFrom(request.sampling_params)
-    params.ClearField("prompt_logprobs")  # the prefill worker sent them with the first token
-    return decode_worker_pb2.DecodeRequest(
-        request_id=rid,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling_params=params,
-        first_token_id=first.token_ids[0],
-        first_logprobs=first.logprobs[0] if first.logprobs else None,
-        kv_handle=result.kv_handle,
-        num_cached_tokens=first.usage.cached_tokens,
-        resumed=resumed,
-    )
+    why = "left the registry (no heartbeat) while serving this call"
+    return Failure(stage, worker_id, grpc.StatusCode.UNAVAILABLE, why, attempt, streamed)
 
 
 def _worker_status(view: WorkerView) -> scheduler_pb2.WorkerStatus:
