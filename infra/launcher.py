@@ -299,6 +299,7 @@ class Launcher:
         if not any(code is not None and self.spec.restart.wants(code) for code in codes):
             if all(code is not None for code in codes):  # stopped cleanly, or never restart
                 unit.state = "down"
+                self._say(f"{unit.name} stays down (--restart {self.spec.restart.mode})")
             return
         for c in members:  # a DEP group cannot take a rank back: it starts over
             if c.proc.poll() is None:

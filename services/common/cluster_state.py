@@ -223,6 +223,7 @@ class ClusterState:
         self._record = dataclasses.replace(self._record, draining=True)
         with contextlib.suppress(*REDIS_DOWN):  # the next heartbeat writes it
             await self._write()
+        log.info("draining", role=self._record.role)
 
     async def deregister(self) -> None:
         """Stop the heartbeat and delete the keys at once (Redis errors are ignored)."""

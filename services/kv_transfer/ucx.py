@@ -41,48 +41,23 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# UCX reads its configuration from the environment once, when ucxx is imported. Defaults, each
-# measured with loadtest/bench_kv_transfer.py and a plain ucxx loop of 126 MB messages here:
-# - polling progress (a task in the asyncio loop progresses the worker between other tasks):
-#   ~2.3x ucxx's default progress thread. Not ucxx's `blocking` mode, as fast but able to
-#   livelock: its re-arm task awaits sock_recv on a socket whose peer is closed, which returns
-#   at once without yielding, so while ucp_worker_arm answers busy that task never gives the
-#   loop back and no timer fires, a transfer's timeout included. A connect that never completed
-#   (below) hung test_kv_transfer.py that way in CI; with polling it fails after connect_timeout;
-# - shared memory with error handling: ucxx's endpoints ask for peer failure detection (so that
-#   a dead peer fails a transfer instead of killing this process), and UCX leaves out every
-#   transport that does not offer it; posix/sysv offer it only when asked (UCX_MM_ERROR_HANDLING),
-#   and without an intra-node AM lane UCX never uses cma either: every byte went over tcp/lo
-#   (deepseek-v3 layout, 32k tokens: 1.1 GB/s against 9.6 with shared memory, one run). The
-#   price: UCX's shared-memory path does not fully survive a peer's death. An exporter SIGKILLed
-#   during get_zcopy pulls can leave the importing process unable to connect to any new peer
-#   (every later connect times out). Measured with one importer process killing exporter after
-#   exporter: with a new event loop per kill, wedged within 1 to 7 kills in each of 5 loops;
-#   with one loop, 0 of 10 kills (polling) and 1 of 20 (the services' progress thread); none
-#   of 20 without shared memory, none of 28 with put_zcopy (which moves the cma copies to the
-#   exporter instead). Such a worker counts
-#   ferry_kv_transfer_failures_total{reason="connect_timeout"} on every pull (a dead peer's
-#   closed port usually fails at once, as reason "connect") and needs a restart; set
-#   UCX_MM_ERROR_HANDLING=n where surviving a peer's death matters more than bandwidth.
-#   loadtest/ucx_wedge.py measures it again (wedged after 1-11 kills in 10 of 10 new-loop
-#   trials; after 9 and 6 kills in 2 of 2 services-mode trials) and shows UcxTransport.probe,
-#   which workers run every --kv-probe-interval, failing on every wedge and on no healthy run;
-# - UCX's own rendezvous choice (auto; get_zcopy over cma on one host: the importer reads the
-#   exporter's blocks straight into its own, one copy): 2.4x put_zcopy on the deepseek-v3
-#   layout (10.3 vs 4.3 GB/s at 32k tokens), which was only faster while everything went
-#   over tcp. Set UCX_RNDV_SCHEME to override;
+# UCX reads its configuration from the environment once, when ucxx is imported. Each default
+# below applies only when unset; the measurements behind them are in docs/ucx.md.
+# - polling progress: ~2.3x ucxx's progress thread here, and unlike its `blocking` mode it
+#   cannot livelock the event loop (a connect that never completes fails after its timeout);
+# - shared memory with peer-failure handling, so that posix/sysv and cma carry transfers on one
+#   host (~9x tcp on loopback). The price: a peer SIGKILLed mid-transfer can leave this process
+#   unable to connect to new peers (workers probe for it, --kv-probe-interval, and restart);
+#   UCX_MM_ERROR_HANDLING=n trades the bandwidth for safety;
+# - the rendezvous scheme is UCX's (get_zcopy over cma on one host: 2.4x put_zcopy);
 # - no warning about the variables ucxx itself sets.
 UCX_DEFAULTS = {
     "UCXPY_PROGRESS_MODE": "polling",
     "UCX_MM_ERROR_HANDLING": "y",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
-# A long-running service has one event loop for its whole life and keeps pooled endpoints
-# open between pulls. Without Python futures every pending receive (an idle pooled endpoint
-# waiting for its next request) polls the event loop with sleep(0): measured, a prefill and a
-# decode worker each spun a whole core while idle. With the progress thread and futures a
-# request completes by resolving its future, and idle costs nothing. Futures bind ucxx's
-# process-wide context to one event loop, which is why this is for services only.
+# Services: the progress thread with Python futures, or every idle pooled endpoint polls the
+# event loop and an idle worker spins a core. Futures bind ucxx to one event loop: services only.
 UCX_SERVICE_DEFAULTS = {"UCXPY_PROGRESS_MODE": "thread", "UCXPY_ENABLE_PYTHON_FUTURE": "1"}
 CLOSE_WAIT_S = 2.0  # how long close() waits for the listener's handlers to end
 WEDGED_HINT = (

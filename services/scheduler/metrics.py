@@ -21,4 +21,8 @@ EXPECTED_CACHED_TOKENS = Counter(
     "ferry_scheduler_expected_cached_tokens_total",
     "Prompt tokens the prefix index said the chosen worker held, when routed (kv_aware)",
 )
+KV_EVENT_BATCHES = Counter(
+    "ferry_scheduler_kv_event_batches_total",
+    "Entries of the kv-events stream applied to this scheduler's prefix index",
+)
 PATHS = Counter("ferry_scheduler_path_requests_total", "Requests by path", ["path"])

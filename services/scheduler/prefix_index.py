@@ -15,6 +15,7 @@ from collections.abc import Collection, Sequence
 
 from ferry.services.common.cluster_state import ClusterState, ClusterStateError, KvEvents
 from ferry.services.common.log import get_logger
+from ferry.services.scheduler import metrics
 
 log = get_logger(__name__)
 
@@ -98,3 +99,4 @@ async def follow(cluster: ClusterState, index: PrefixIndex, retry_s: float = 1.0
         down = False
         for batch in batches:
             index.apply(batch)
+        metrics.KV_EVENT_BATCHES.inc(len(batches))

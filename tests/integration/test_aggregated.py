@@ -138,9 +138,14 @@ def test_cancel_mid_stream_frees_the_blocks(aggregated: Cluster) -> None:
             for call in calls:
                 for _ in range(3):
                     await call.read()
-            await asyncio.sleep(1.2)  # a heartbeat carries the load
+
+            def all_running() -> bool:  # as the next heartbeat's load report says
+                (view,) = aggregated.views("aggregated")
+                return view.load is not None and view.load.running == 4
+
+            await asyncio.to_thread(aggregated.wait_for, "4 running", all_running, 10)
             (view,) = await asyncio.to_thread(aggregated.views, "aggregated")
-            assert view.load is not None and view.load.running == 4
+            assert view.load is not None
             assert view.load.free_kv_blocks < view.load.total_kv_blocks
             for call in calls:
                 call.cancel()

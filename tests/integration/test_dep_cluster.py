@@ -122,7 +122,11 @@ def test_a_killed_rank_fails_its_group_and_the_group_restarts(redis: RedisServer
                 )
                 for p in prompts(6)
             ]
-            await asyncio.sleep(1.5)  # every request is decoding somewhere
+
+            def all_decoding() -> bool:  # as the load reports say
+                return sum(v.load.running for v in c.views("decode") if v.load) == 6
+
+            await asyncio.to_thread(c.wait_for, "every request decoding", all_decoding, 30)
             c.signal("decode-r1", signal.SIGKILL)
             killed = time.monotonic()
             results = await asyncio.gather(*tasks)

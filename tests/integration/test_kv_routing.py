@@ -5,7 +5,6 @@ prefix (``kv_aware``, the default policy). Real redis-server, real `ferry up` pr
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,14 +38,19 @@ def cluster() -> Iterator[Cluster]:
         yield c
 
 
-def holders(c: Cluster) -> PrefixIndex:
-    """Which worker holds which block, replayed from the whole kv-events stream."""
+def kv_events(c: Cluster) -> list[KvEvents]:
+    """The whole kv-events stream, as a scheduler replays it."""
 
     async def read(state: ClusterState) -> list[KvEvents]:
         return (await state.read_kv_events("0", block_ms=0))[1]
 
+    return c.read(read)
+
+
+def holders(c: Cluster) -> PrefixIndex:
+    """Which worker holds which block, replayed from the whole kv-events stream."""
     index = PrefixIndex()
-    for batch in c.read(read):
+    for batch in kv_events(c):
         index.apply(batch)
     return index
 
@@ -77,7 +81,9 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
         where_a,
         where_b,
     )
-    time.sleep(0.5)  # the scheduler reads the stream as entries come; leave it a moment
+    entries = len(kv_events(c))  # the scheduler's index has applied them all:
+    applied = lambda: c.metric("scheduler-0", "ferry_scheduler_kv_event_batches_total") >= entries  # noqa: E731
+    c.wait_for("the scheduler read the kv-events", applied, 10)
 
     # Follow-ups share a prefix. least_loaded would send both to prefill-0 (idle, lower id),
     # where B's prefix is not: B's first follow-up would compute all of it again.

@@ -126,8 +126,9 @@ def test_exporter_killed_mid_transfer(transport: str) -> None:
 
         async def run() -> float:
             task = asyncio.create_task(imp.pull(handles[0]))
-            await asyncio.sleep(0.5)  # the header has arrived; the payload is 30 s away
-            os.kill(proc.pid, signal.SIGKILL)
+            while not imp.kv.usage()["in_use"]:  # its destination blocks: the pull is under way
+                await asyncio.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)  # (it would send its first chunk, then wait 30 s)
             started = time.monotonic()
             with pytest.raises(TransferError) as info:
                 await task
@@ -239,7 +240,6 @@ def test_ucx_peers_killed_while_bytes_move() -> None:
             assert _result(child.stdout) == "pulled"
         child.kill()
         child.wait(10)
-        time.sleep(0.5)
         assert proc.poll() is None, "the exporter died with its importer"
 
         survivor = subprocess.Popen(
@@ -255,8 +255,7 @@ def test_ucx_peers_killed_while_bytes_move() -> None:
             survivor.stdin.close()
             # the exporter still serves, bit-exact
             assert json.loads(_result(survivor.stdout)) == {"bit_exact": True}
-            time.sleep(0.3)  # into the pulls of the rest
-            os.kill(proc.pid, signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGKILL)  # it pulls the rest one after another meanwhile
             report = json.loads(_result(survivor.stdout))
             assert survivor.wait(10) == 0
         finally:

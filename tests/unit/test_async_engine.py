@@ -66,13 +66,15 @@ def test_abort_from_the_event_loop_and_on_consumer_exit(
 
     async def main() -> tuple[str | None, int]:
         reasons: list[str | None] = []
+        running = asyncio.Event()
 
         async def consume() -> None:
             async for out in engine.generate([1, 2, 3], long, request_id="victim"):
                 reasons.append(out.finish_reason)
+                running.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.3)
+        await running.wait()
         await engine.abort("victim")
         await asyncio.wait_for(task, 10)
         # a consumer that walks away aborts its request too
