@@ -432,8 +432,24 @@ def _rows(names: list[str], tiny: bool, ceilings: Ceilings) -> Iterator[dict[str
             torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
+def pick_device(tiny: bool, needs_gpu: str) -> int | None:
+    """Point DEVICE at this run's device: the GPU, or with ``tiny`` the CPU when there is none.
+    An exit status when there is nothing to time: 0 without a GPU (saying ``needs_gpu``), 1 when
+    Triton is interpreted (the interpreter would be timed); None to go on."""
     global DEVICE
+    if tiny:
+        DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return None
+    if not torch.cuda.is_available():
+        print(f"no CUDA device: {needs_gpu}; nothing to do")
+        return 0
+    if dispatch.interpreting():
+        print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
+        return 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     suites = list(SUITES)
     p.add_argument("--only", nargs="+", choices=suites, help="suites to run (default: all)")
@@ -442,17 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="tiny shapes, any device (checks the script)"
     )
     args = p.parse_args(argv)
-    if args.tiny:
-        DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif not torch.cuda.is_available():
-        print(
-            "no CUDA device: this benchmark needs a GPU (on the CPU, the kernels are tested "
-            "under TRITON_INTERPRET=1: pytest tests/kernels); nothing to do"
-        )
-        return 0
-    elif dispatch.interpreting():
-        print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
-        return 1
+    needs_gpu = (
+        "this benchmark needs a GPU (the kernels are tested on the CPU: pytest tests/kernels)"
+    )
+    if (status := pick_device(args.tiny, needs_gpu)) is not None:
+        return status
     torch.manual_seed(0)
     machine = _machine()
     ceilings: dict[str, Any] = {"h200_datasheet": H200.as_json()}

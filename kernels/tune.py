@@ -109,14 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tiny", action="store_true", help="tiny shapes, any device (checks the script)"
     )
     args = p.parse_args(argv)
-    if args.tiny:
-        bench.DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif not torch.cuda.is_available():
-        print("no CUDA device: tuning needs a GPU; nothing to do")
-        return 0
-    elif dispatch.interpreting():
-        print("TRITON_INTERPRET=1 is set: unset it to time the compiled kernels", file=sys.stderr)
-        return 1
+    if (status := bench.pick_device(args.tiny, "tuning needs a GPU")) is not None:
+        return status
     torch.manual_seed(0)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -123,11 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")
     p.add_argument("--tiny", action="store_true", help="the tiny preset, any device")
     args = p.parse_args(argv)
-    if args.tiny:
-        bench.DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif not torch.cuda.is_available():
-        print("no CUDA device: this benchmark needs a GPU; nothing to do")
-        return 0
+    if (status := bench.pick_device(args.tiny, "this benchmark needs a GPU")) is not None:
+        return status
     torch.manual_seed(0)
     command = ["python", "loadtest/bench_model_kernels.py", *(argv or sys.argv[1:])]
     result: dict[str, Any] = {

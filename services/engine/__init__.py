@@ -4,8 +4,9 @@ CLI) can read ``config`` and the model's ``presets``."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ferry.services.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ferry.services.common.sampling_params import SamplingParams
@@ -22,12 +23,7 @@ _EXPORTS = {
     "SamplingParams": "ferry.services.common.sampling_params",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "AsyncEngine",

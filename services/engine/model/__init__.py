@@ -4,8 +4,9 @@ so that torch-free code can read ``config`` and ``presets``."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ferry.services.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ferry.services.engine.experts import ExpertPlacement
@@ -32,12 +33,7 @@ _EXPORTS = {
     "prompt_logits": "ferry.services.engine.model.api",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "PRESETS",
