@@ -613,6 +613,8 @@ class _Servicer(scheduler_pb2_grpc.SchedulerServicer):
         with bind_request(rid):
             try:
                 async for chunk in s.generate(request, rid):
+                    if chunk.finish_reason:  # served: a client that hangs up now loses nothing
+                        outcome = "ok"
                     yield chunk
                 outcome = "ok"
             except Failed as f:
