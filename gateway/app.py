@@ -1,27 +1,31 @@
 """The OpenAI-compatible REST API (FastAPI): /v1/completions, /v1/chat/completions (SSE when
-``stream``), /v1/models, /health, /metrics.
+``stream``), /v1/models, vLLM's /tokenize and /detokenize, /health, /metrics.
 
-Requests are validated here for shape (unknown fields, types, n) and by the engine's
-SamplingParams for values (the scheduler answers INVALID_ARGUMENT, which becomes a 400 naming the
-parameter). Text comes from the workers' incremental detokenizer, so streamed deltas add up to the
-non-streamed text.
+Requests are validated here for shape and for what the protobuf fields can hold
+(``protocol.py``), and by the engine's SamplingParams for values (the scheduler answers
+INVALID_ARGUMENT, which becomes a 400 naming the parameter): streamed ones too, as their status
+line waits for the scheduler's first chunk. A client that goes away before its answer cancels
+the request on its workers. Text comes from the workers' incremental detokenizer, so streamed
+deltas add up to the non-streamed text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry.gateway import metrics, reasoning
 from ferry.gateway.backend import Backend, GatewayConfig
@@ -38,6 +42,10 @@ from ferry.gateway.protocol import (
 from ferry.gateway.streams import Choice, choices_of, merged, usage
 from ferry.gateway.tools import CallReader, Read, ToolUse
 from ferry.protos import common_pb2
+from ferry.services.common.log import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
 
 
 def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
@@ -57,13 +65,19 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
     async def guard(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        endpoint = request.url.path
         try:
-            if endpoint.startswith("/v1/"):
+            if _needs_key(request.url.path, config):
                 _check_key(request, config.api_key)
             response = await call_next(request)
         except OpenAIError as e:
             response = e.response()
+        except Exception:  # a bug of ours: still an answer in OpenAI's shape, and counted
+            log.exception("gateway_error", path=request.url.path)
+            message = "the gateway failed on this request (its log says why)"
+            response = OpenAIError(500, message, "internal_error").response()
+        # the route's template, not the path a client sent: a bounded set of label values
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
         metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
         return response
 
@@ -76,13 +90,22 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return OpenAIError(400, f"request body is not valid JSON: {err.get('msg')}").response()
-        param = ".".join(loc) or None
-        message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-        return OpenAIError(400, message, param=param, code=str(err.get("type"))).response()
+        return _invalid_body(e.errors()[0]).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route, a method the route does not take, a body
+        that cannot be parsed), in OpenAI's shape."""
+        if e.status_code == 404:
+            message = f"no route {request.url.path}; the API is under /v1 (see /v1/models)"
+            return OpenAIError(404, message, "not_found_error", code="not_found").response()
+        if e.status_code == 405:
+            message = f"{request.method} is not a method of {request.url.path}"
+            return OpenAIError(405, message, code="method_not_allowed").response()
+        if e.status_code == 400:  # FastAPI: JSON it could not decode (bad UTF-8, too deep)
+            message = "the request body could not be read as JSON (bad UTF-8, or nested too deep)"
+            return OpenAIError(400, message, code="json_invalid").response()
+        return OpenAIError(e.status_code, str(e.detail), "invalid_request_error").response()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -105,7 +128,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         return await _model_card(backend)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         backend.check_model(body.model)
         given = body.prompts()
         if not given:
@@ -123,8 +146,8 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             params.prompt_logprobs = body.logprobs
         api = _Completions(backend, body, prompts)
         if body.stream:
-            return _sse(api.stream(params))
-        return JSONResponse(await api.complete(params))
+            return await _sse(request, api.stream(params))
+        return JSONResponse(await _unless_gone(request, api.complete(params)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -150,7 +173,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         return {"prompt": backend.decode(body.tokens)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         backend.check_model(body.model)
         try:
             tools = body.tool_use(config.tool_call_parser)
@@ -168,10 +191,32 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             params.skip_special_tokens = False
         api = _Chat(backend, body, [ids], tools)
         if body.stream:
-            return _sse(api.stream(params))
-        return JSONResponse(await api.complete(params))
+            return await _sse(request, api.stream(params))
+        return JSONResponse(await _unless_gone(request, api.complete(params)))
 
     return app
+
+
+def _invalid_body(err: Any) -> OpenAIError:
+    """A pydantic error about the body as a 400 naming the field (a dotted path)."""
+    kind = str(err.get("type"))
+    # loc without "body" and without pydantic's names of union members ("str", "list[int]")
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_member(x)]
+    if kind == "json_invalid":
+        return OpenAIError(400, f"request body is not valid JSON: {err.get('msg')}", code=kind)
+    if kind == "missing" and not loc:
+        return OpenAIError(400, "the request has no body: send a JSON object", code=kind)
+    if kind == "unicode":
+        return OpenAIError(400, str(err.get("msg")), param=str(err["ctx"]["param"]), code=kind)
+    param = ".".join(loc) or None
+    msg = str(err.get("msg")).removeprefix("Value error, ")
+    return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param, code=kind)
+
+
+def _union_member(part: object) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+    )
 
 
 async def _truncated(
@@ -183,6 +228,14 @@ async def _truncated(
     if keep == -1:
         keep = await backend.max_model_len()
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
+
+
+def _needs_key(path: str, config: GatewayConfig) -> bool:
+    """The API (/v1, vLLM's /tokenize and /detokenize) needs the key, /metrics with
+    --metrics-auth; /health never (load balancers and `ferry up` probe it)."""
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        return True
+    return path == "/metrics" and config.metrics_auth
 
 
 def _check_key(request: Request, key: str) -> None:
@@ -251,18 +304,60 @@ def _params(
     return msg
 
 
-def _sse(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+async def _sse(request: Request, events: AsyncGenerator[dict[str, Any], None]) -> Response:
+    """Server-sent events. The status line waits for the first event, which comes after the
+    scheduler's first chunk: a request that a scheduler or worker refuses (a value out of
+    range, a prompt over the context, a grammar that does not compile) is an HTTP error, as a
+    non-streamed one is, not a 200 with the error inside."""
+    first = await _unless_gone(request, anext(events))
+
     async def body() -> AsyncIterator[str]:
         try:
+            yield f"data: {json.dumps(first)}\n\n"
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
-        except OpenAIError as e:  # the status line is sent: the error goes in the stream
+        except OpenAIError as e:  # a failure after the status line: it goes in the stream
             yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            await events.aclose()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
         body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first (the scheduler then aborts the
+    request on its workers, freeing its KV blocks): OpenAIError 499."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise OpenAIError(499, "the client went away before the answer", "cancelled")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body has been read: the next ASGI message on
+    this request is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _chained(
+    first: tuple[int, common_pb2.TokenChunk],
+    rest: AsyncIterator[tuple[int, common_pb2.TokenChunk]],
+) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 class _Api:
@@ -297,7 +392,13 @@ class _Api:
         out["usage"] = usage(self.choices, self.prompts)
         return out
 
-    async def stream(self, params: common_pb2.SamplingParams) -> AsyncIterator[dict[str, Any]]:
+    async def stream(
+        self, params: common_pb2.SamplingParams
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The events of a streamed answer; nothing before the scheduler's first chunk (see
+        _sse), so that a refusal comes before any event."""
+        chunks = self._merged(params)
+        first = await anext(chunks)
         opts = self.body.stream_options
         final_usage = opts is not None and opts.include_usage
         running_usage = final_usage and opts is not None and opts.continuous_usage_stats
@@ -309,7 +410,7 @@ class _Api:
 
         for event in self.opening():
             yield counted(event)
-        async for i, chunk in self._merged(params):
+        async for i, chunk in _chained(first, chunks):
             choice = self.choices[i]
             choice.add(chunk)
             yield counted(self.envelope(self.chunk_object, [self.delta(choice, chunk)]))

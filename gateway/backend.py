@@ -35,6 +35,7 @@ class GatewayConfig:
     port: int = 8000
     grpc_port: int = 50051  # the public gRPC API (ferry.v1.Ferry); -1: off, 0: any free port
     api_key: str = ""  # "" : no authentication
+    metrics_auth: bool = False  # GET /metrics needs the key too (/health never does)
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0
     # A request that finds no scheduler reachable (restarting) waits this long for one, then
@@ -99,10 +100,11 @@ class Backend:
             )
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
+        """The prompt's token ids; an empty prompt is a 400 (over gRPC too, where an empty
+        string cannot be told from none)."""
+        if not prompt:
             raise OpenAIError(400, "prompt is empty", param="prompt")
-        return ids
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         """The messages through the chat template (``options``: ChatTemplate.render's), as

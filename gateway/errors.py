@@ -44,6 +44,11 @@ _HTTP = {
 RETRY_AFTER_S = 1
 
 
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status a gRPC status stands for (OK: 200)."""
+    return 200 if code == grpc.StatusCode.OK else _HTTP.get(code, (500, ""))[0]
+
+
 _GRPC = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,

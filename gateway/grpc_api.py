@@ -3,6 +3,8 @@ REST API, in protobuf. Errors keep the scheduler's status codes end to end."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator
 
@@ -10,10 +12,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ferry.gateway import metrics
 from ferry.gateway.backend import Backend
-from ferry.gateway.errors import OpenAIError
+from ferry.gateway.errors import OpenAIError, http_status
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 from ferry.services.common.channels import ACCEPT_PINGS
+from ferry.services.common.listeners import NO_PORT_SHARING, add_port
 
 SERVICE_NAME = "ferry.v1.Ferry"
 
@@ -40,38 +44,58 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
     async def Generate(
         self, request: ferry_pb2.TextGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
-        await self._check(context, request.model or self.backend.config.model_name)
-        if request.prompt and request.prompt_token_ids:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both"
-            )
-        try:
-            ids = self.backend.encode_prompt(request.prompt or list(request.prompt_token_ids))
-            async for chunk in self.backend.generate(
-                ids, request.sampling_params, request.request_id
-            ):
-                yield chunk
-        except OpenAIError as e:
-            await context.abort(e.grpc_code, e.message)
+        async with _counted("Generate", context):
+            await self._check(context, request.model or self.backend.config.model_name)
+            if request.prompt and request.prompt_token_ids:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both"
+                )
+            try:
+                ids = self.backend.encode_prompt(request.prompt or list(request.prompt_token_ids))
+                async for chunk in self.backend.generate(
+                    ids, request.sampling_params, request.request_id
+                ):
+                    yield chunk
+            except OpenAIError as e:
+                await context.abort(e.grpc_code, e.message)
 
     async def ListModels(
         self, request: ferry_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> ferry_pb2.ListModelsReply:
-        await self._check(context, None)
-        model = ferry_pb2.ModelInfo(id=self.backend.config.model_name, owned_by="ferry")
-        return ferry_pb2.ListModelsReply(models=[model])
+        async with _counted("ListModels", context):
+            await self._check(context, None)
+            model = ferry_pb2.ModelInfo(id=self.backend.config.model_name, owned_by="ferry")
+            return ferry_pb2.ListModelsReply(models=[model])
+
+
+@contextlib.asynccontextmanager
+async def _counted(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Count the call in ``ferry_gateway_requests_total`` as the REST API counts its requests:
+    its method as the endpoint, the HTTP status its gRPC status stands for."""
+    status = 200
+    try:
+        yield
+    except asyncio.CancelledError:  # the client went away
+        status = 499
+        raise
+    except Exception:  # context.abort's, or a failure of ours (INTERNAL)
+        status = http_status(context.code() or grpc.StatusCode.INTERNAL)
+        raise
+    finally:
+        metrics.REQUESTS.labels(f"/{SERVICE_NAME}/{method}", str(status)).inc()
 
 
 async def start_grpc(backend: Backend, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """The Ferry service, health and reflection on ``host:port`` (0: any free port)."""
-    server = grpc.aio.server(options=ACCEPT_PINGS)  # clients may use keepalive as ours do
+    # clients may use keepalive as ours do; the port is this server's alone
+    server = grpc.aio.server(options=[*ACCEPT_PINGS, *NO_PORT_SHARING])
     ferry_pb2_grpc.add_FerryServicer_to_server(FerryServicer(backend), server)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, host, port, "the gateway's gRPC API", "--grpc-port")
     await server.start()
     for name in ("", SERVICE_NAME):
         await checker.set(name, health_pb2.HealthCheckResponse.SERVING)

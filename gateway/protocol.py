@@ -1,13 +1,16 @@
 """The OpenAI request bodies the gateway accepts (pydantic). Unknown fields are refused (400), so
-that a misspelled parameter is not silently ignored. Range checks live in the engine's
-SamplingParams and come back from the scheduler as INVALID_ARGUMENT; here only the shape."""
+that a misspelled parameter is not silently ignored. Here: the shape, what the protobuf fields
+can hold (32- and 64-bit integers, finite numbers, valid Unicode), each a 400 naming the field;
+the values' meaning (temperature >= 0, ...) is the engine's SamplingParams' to check, and comes
+back from the scheduler as INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ferry.gateway.tools import ToolUse
 from ferry.protos import common_pb2
@@ -16,8 +19,48 @@ MAX_N = 16
 MAX_CHOICES = 256  # prompts x n of one /v1/completions request
 
 
+Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]  # what a protobuf int32 holds
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON can spell a lone UTF-16 surrogate (\\ud800), which no UTF-8 text holds."""
+        if (where := _bad_unicode(data)) is not None:
+            raise PydanticCustomError(
+                "unicode",
+                "{param}: a lone surrogate (\\ud800-\\udfff) is not text",
+                {"param": where},
+            )
+        return data
+
+
+def _bad_unicode(value: Any, path: str = "") -> str | None:
+    """The path of the first string in ``value`` that is not valid Unicode text, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        if (bad := _bad_unicode(key, path)) is not None:
+            return bad
+        if (bad := _bad_unicode(item, f"{path}.{key}" if path else str(key))) is not None:
+            return bad
+    return None
 
 
 class StreamOptions(_Body):
@@ -68,27 +111,27 @@ class StructuredOutputs(_Body):
 class _Sampling(_Body):
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     # OpenAI's: {"token id": bias in [-100, 100]}, JSON keys being strings
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     skip_special_tokens: bool = True  # vLLM's: special tokens' text left out of the output
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with what stopped it
     # vLLM's: lower is admitted first and preempted last on each worker (a 32-bit integer)
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     # vLLM's: only the prompt's last k tokens are sent (-1: as many as the context holds)
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int32 | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -120,7 +163,19 @@ class _Sampling(_Body):
 
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's fields that change nothing here: taken and ignored, as vLLM does
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @model_validator(mode="after")
+    def _options_of_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is for a streamed request (stream: true)")
+        return self
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -141,12 +196,15 @@ class _Sampling(_Body):
         bad = next((k for k in value or {} if not k.strip().isdigit()), None)
         if bad is not None:
             raise ValueError(f"key {bad!r} is not a token id (the keys are token ids, as strings)")
+        big = next((k for k in value or {} if int(k) >= 2**31), None)
+        if big is not None:
+            raise ValueError(f"key {big}: token ids are below 2^31")
         return value
 
 
 class CompletionRequest(_Sampling):
     # one prompt (text or token ids) or a batch of them
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt's text (and, with logprobs, its tokens' logprobs) first
 
@@ -164,6 +222,9 @@ class CompletionRequest(_Sampling):
             raise ValueError(
                 "give a string, a list of token ids, or a list of either (a batch of prompts)"
             )
+        ids = value if _all(value, int) else [t for p in value if _all(p, int) for t in p]
+        if (bad := next((t for t in ids if not 0 <= t < 2**31), None)) is not None:
+            raise ValueError(f"token id {bad} is outside 0..2^31-1")
         return value
 
     def prompts(self) -> list[str | list[int]]:
@@ -199,6 +260,12 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _a_tool_turn_answers_a_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -293,11 +360,17 @@ class ChatPrompt(_Body):
 
 class ChatCompletionRequest(_Sampling, ChatPrompt):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def tool_use(self, parser: str = "deepseek_v3") -> ToolUse:
         """How the tools are to be used (``parser``: how "auto" reads calls); ValueError (a 400

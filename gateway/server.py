@@ -4,12 +4,14 @@ SIGTERM / SIGINT stop both gracefully: uvicorn finishes its requests, then gRPC 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import uvicorn
 
 from ferry.gateway.app import create_app
 from ferry.gateway.backend import Backend, GatewayConfig
 from ferry.gateway.grpc_api import start_grpc
+from ferry.services.common.listeners import USAGE_ERROR, PortInUse, listen_tcp
 from ferry.services.common.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -17,6 +19,9 @@ GRACE_S = 5.0
 
 
 async def serve(config: GatewayConfig, log_level: str = "info") -> None:
+    """PortInUse, before anything else, when the HTTP or the gRPC port is taken."""
+    sock = listen_tcp(config.host, config.port, "the gateway", "--port")
+    port = sock.getsockname()[1]
     backend = Backend(config)
     app = create_app(config, backend)
     http = uvicorn.Server(
@@ -30,18 +35,23 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
         )
     )
     grpc_server = None
-    if config.grpc_port >= 0:
-        grpc_server, grpc_port = await start_grpc(backend, config.host, config.grpc_port)
-        log.info("serving", role="gateway", grpc=f"{config.host}:{grpc_port}")
+    try:
+        if config.grpc_port >= 0:
+            grpc_server, grpc_port = await start_grpc(backend, config.host, config.grpc_port)
+            log.info("serving", role="gateway", grpc=f"{config.host}:{grpc_port}")
+    except BaseException:
+        sock.close()
+        await backend.close()
+        raise
     log.info(
         "serving",
         role="gateway",
-        http=f"{config.host}:{config.port}",
+        http=f"{config.host}:{port}",
         model=config.model_name,
         schedulers=",".join(config.schedulers),
     )
     try:
-        await http.serve()  # returns on SIGTERM / SIGINT (uvicorn's handlers)
+        await http.serve([sock])  # returns on SIGTERM / SIGINT (uvicorn's handlers)
     finally:
         if grpc_server is not None:
             await grpc_server.stop(GRACE_S)
@@ -51,5 +61,10 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
 
 def main(config: GatewayConfig, log_level: str = "info") -> int:
     configure_logging("gateway", f"gateway-{config.port}", log_level)
-    asyncio.run(serve(config, log_level))
+    try:
+        asyncio.run(serve(config, log_level))
+    except PortInUse as e:
+        log.error("port_in_use", error=str(e))
+        print(f"ferry serve gateway: {e}", file=sys.stderr)
+        return USAGE_ERROR
     return 0

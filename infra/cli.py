@@ -16,6 +16,7 @@ from ferry.infra.launcher import WORKER_ROLES
 from ferry.infra.restarts import RESTART_MODES
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
+from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
 from ferry.services.engine.model.presets import PRESETS
 from ferry.services.eplb_controller.service import EplbConfig
 from ferry.services.scheduler.service import SchedulerConfig
@@ -43,9 +44,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:  # flags that no service could run with: a usage error, before anything starts
         channels.configure(args.keepalive)
         config = _role_config(args)
-    except ValueError as e:
+        for what, port, flag in _ports(args.role, config):
+            check_free(args.host, port, what, flag)
+    except (ValueError, PortInUse) as e:
         print(f"ferry serve {args.role}: {e}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     if isinstance(config, GatewayConfig):
         from ferry.gateway.server import main as serve_gateway
 
@@ -53,6 +56,23 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = config.service
     configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
     return server.main(cfg, _service(args.role, config))
+
+
+def _ports(
+    role: str, config: GatewayConfig | SchedulerConfig | EplbConfig | WorkerConfig
+) -> list[tuple[str, int, str]]:
+    """(what, port, flag) of each listener ``role`` opens on a port given to it."""
+    if isinstance(config, GatewayConfig):
+        return [
+            ("the gateway", config.port, "--port"),
+            ("the gateway's gRPC API", config.grpc_port, "--grpc-port"),
+        ]
+    svc = config.service
+    ports = [(f"the {role} gRPC server", svc.port, "--port")]
+    ports += [("the metrics server", svc.metrics_port, "--metrics-port")]
+    if isinstance(config, WorkerConfig):
+        ports += [("the KV transfer server", config.kv_port, "--kv-port")]
+    return ports
 
 
 def _role_config(
@@ -76,12 +96,18 @@ def _service(role: str, config: SchedulerConfig | EplbConfig | WorkerConfig) -> 
         from ferry.services.eplb_controller.service import EplbController
 
         return EplbController(config)
-    from ferry.services.decode_worker.aggregated import AggregatedWorker
-    from ferry.services.decode_worker.service import DecodeWorker
-    from ferry.services.prefill_worker.service import PrefillWorker
+    # only the role's own module: a process exports its own role's metric families alone
+    if role == "prefill":
+        from ferry.services.prefill_worker.service import PrefillWorker
 
-    kind = {"prefill": PrefillWorker, "decode": DecodeWorker, "aggregated": AggregatedWorker}
-    return kind[role](config)
+        return PrefillWorker(config)
+    if role == "aggregated":
+        from ferry.services.decode_worker.aggregated import AggregatedWorker
+
+        return AggregatedWorker(config)
+    from ferry.services.decode_worker.service import DecodeWorker
+
+    return DecodeWorker(config)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -127,7 +153,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         worker += ["--router-skew", str(args.router_skew)]
     serve_args = {
         "gateway": [
-            *("--model", args.model, "--api-key", args.api_key),
+            *("--model", args.model),
+            *(["--metrics-auth"] if args.metrics_auth else []),
             *("--migration-limit", str(args.migration_limit)),
             *("--reasoning-parser", args.reasoning_parser),
             *("--tool-call-parser", args.tool_call_parser),
@@ -160,6 +187,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         cluster=args.cluster,
         restart=RestartPolicy(args.restart),
         serve_args=serve_args,
+        # the key reaches the gateway in its environment: argv is readable by any user
+        serve_env={"gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""}},
     )
 
 
@@ -229,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
-    flags.add(up, "--api-key", "", "the gateway requires `Authorization: Bearer KEY`")
+    flags.add_key_flags(up, "the gateway requires `Authorization: Bearer KEY`")
     flags.add(up, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
     flags.add(up, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
     flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")

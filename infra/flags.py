@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from ferry.gateway.backend import GatewayConfig
@@ -30,7 +31,9 @@ def add(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, **k
     kind = kw.pop("type", type(default) if default is not None else str)
     raw = os.environ.get(env)
     value = kind(raw) if raw is not None else default
-    parser.add_argument(flag, type=kind, default=value, help=f"{help} [{env}; {default}]", **kw)
+    # no value (None, ""): the help's own words say what that means ("default 1; 0 with ...")
+    shown = env if default in (None, "") else f"{env}; {default}"
+    parser.add_argument(flag, type=kind, default=value, help=f"{help} [{shown}]", **kw)
 
 
 def add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
@@ -180,10 +183,37 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--host", d.host, "HTTP bind address")
     add(p, "--port", d.port, "HTTP port of the OpenAI API")
     add(p, "--grpc-port", d.grpc_port, "port of the public gRPC API (-1: off, 0: any)")
-    add(p, "--api-key", d.api_key, "require `Authorization: Bearer KEY` ('' : no auth)")
+    add_key_flags(p, "require `Authorization: Bearer KEY` on the API ('': no auth)")
     add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
     _add_keepalive(p)
     add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
+
+
+def add_key_flags(p: argparse.ArgumentParser, what: str) -> None:
+    """The API key: in an environment variable or a file of the user's alone, as a secret
+    should be (a command line is readable by every user of the host)."""
+    add(p, "--api-key", "", what)
+    add(p, "--api-key-file", "", "a file holding the key (mode 600), instead of --api-key")
+    add_switch(p, "--metrics-auth", "GET /metrics needs the key too")
+
+
+def api_key(args: argparse.Namespace) -> str:
+    """The key --api-key or --api-key-file gives; ValueError for both, or a file that other
+    users can read or that holds no key."""
+    if not args.api_key_file:
+        return str(args.api_key)
+    if args.api_key:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    path = Path(args.api_key_file)
+    try:
+        mode, key = path.stat().st_mode, path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(f"--api-key-file {path} is readable by other users: chmod 600 it")
+    if not key:
+        raise ValueError(f"--api-key-file {path} is empty")
+    return key
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -194,7 +224,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         grpc_port=args.grpc_port,
-        api_key=args.api_key,
+        api_key=api_key(args),
+        metrics_auth=args.metrics_auth,
         max_body_bytes=args.max_body_bytes,
         scheduler_wait_s=args.scheduler_wait,
         migration_limit=args.migration_limit,

@@ -29,10 +29,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferry.infra.children import die_with_parent
-from ferry.infra.ports import free_port
+from ferry.infra.ports import free_port, listens
 from ferry.infra.redis_server import redis_answers, redis_command, start_redis
 from ferry.infra.restarts import Backoff, RestartPolicy
 from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
 
 WORKER_ROLES = ("prefill", "decode", "aggregated")
 # -P: the working directory is not put on a child's sys.path; a checkout's top-level folders
@@ -50,6 +51,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     cmd: list[str]  # what started it, and starts it again
     unit: str  # what it restarts with: its own name, or its DEP group's
+    env: dict[str, str] | None = None  # variables of its own (secrets: never in its argv)
 
 
 @dataclass
@@ -80,6 +82,26 @@ class ClusterSpec:
     startup_timeout_s: float = 180.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     serve_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
+    # role -> environment variables of its own: secrets (FERRY_API_KEY) go here, not in argv,
+    # which any user of the host can read
+    serve_env: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+class StartupFailed(RuntimeError):
+    """The cluster did not come up; ``code`` is `ferry up`'s exit status (2: a child could not
+    run as configured, e.g. a taken port)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _exited(child: Child) -> StartupFailed:
+    code = child.proc.returncode
+    return StartupFailed(
+        f"{child.name} exited with code {code} during start-up (its log is above)",
+        USAGE_ERROR if code == USAGE_ERROR else 1,
+    )
 
 
 class Launcher:
@@ -92,6 +114,12 @@ class Launcher:
 
     def start(self) -> None:
         s = self.spec
+        fixed = [("the first scheduler", s.scheduler_port, "--scheduler-port")]
+        if s.gateway_port:
+            fixed += [("the gateway", s.gateway_port, "--port")]
+            fixed += [("the gateway's gRPC API", s.grpc_port, "--grpc-port")]
+        for what, port, flag in fixed:  # taken: say so before starting anything
+            check_free(s.host, port, what, flag)
         if not self.redis_url:  # a private one, supervised like the services
             port = free_port(s.host)
             self._add(
@@ -187,16 +215,16 @@ class Launcher:
             schedulers,
             *s.serve_args.get("gateway", []),
         ]
-        proc = _popen(cmd)
-        child = Child(
-            "gateway", "gateway", f"{s.host}:{s.gateway_port}", s.gateway_port, proc, cmd, "gateway"
-        )
+        env = s.serve_env.get("gateway")
+        proc = _popen(cmd, env=env)
+        address = f"{s.host}:{s.gateway_port}"
+        child = Child("gateway", "gateway", address, s.gateway_port, proc, cmd, "gateway", env)
         self._add(child)
         url = f"http://{child.address}/health"
         deadline = time.monotonic() + s.startup_timeout_s
-        while not _http_ok(url):
+        while not (_http_ok(url) and listens(proc.pid, s.gateway_port)):
             if proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with code {proc.returncode} during start-up")
+                raise _exited(child)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gateway not healthy at {url}")
             time.sleep(0.2)
@@ -204,14 +232,13 @@ class Launcher:
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         for child in (c for c in self.children if c.role != "redis"):  # redis answered already
+            port = int(child.address.rsplit(":", 1)[1])
             with grpc.insecure_channel(child.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                while not _serving(stub):
+                # SERVING, from our child: not another process that holds the port
+                while not (_serving(stub) and listens(child.proc.pid, port)):
                     if child.proc.poll() is not None:
-                        raise RuntimeError(
-                            f"{child.name} exited with code {child.proc.returncode} "
-                            "during start-up (its log is above)"
-                        )
+                        raise _exited(child)
                     if time.monotonic() > deadline:
                         raise RuntimeError(
                             f"{child.name} not healthy at {child.address} after "
@@ -222,21 +249,18 @@ class Launcher:
 
     def _wait_scheduler_sees_workers(self, deadline: float) -> None:
         """Ready means servable: the scheduler's view holds every worker we started."""
-        workers = {c.name for c in self.children if c.role in WORKER_ROLES}
         for sched in (c for c in self.children if c.role == "scheduler"):
             with grpc.insecure_channel(sched.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                bound: dict[str, int] = {}  # worker id -> the metrics port it bound
-                while not workers <= bound.keys():
+                ours = {c.name: c.proc.pid for c in self.children if c.role in WORKER_ROLES}
+                seen: dict[str, int] = {}  # worker id -> the pid registered under it
+                while any(seen.get(w) != pid for w, pid in ours.items()):  # our children's
                     if time.monotonic() > deadline:
-                        missing = sorted(workers - bound.keys())
+                        missing = sorted(w for w, pid in ours.items() if seen.get(w) != pid)
                         raise RuntimeError(f"{sched.name} does not see {missing}")
                     reply = stub.ClusterStatus(scheduler_pb2.ClusterStatusRequest(), timeout=5)
-                    bound = {w.info.worker_id: w.info.metrics_port for w in reply.workers}
+                    seen = {w.info.worker_id: w.info.pid for w in reply.workers}
                     time.sleep(0.1)
-                # a metrics port taken before its service bound it moved (see metrics_http)
-                for child in self.children:
-                    child.metrics_port = bound.get(child.name) or child.metrics_port
 
     def describe(self) -> str:
         private = any(c.role == "redis" for c in self.children)
@@ -333,7 +357,7 @@ class Launcher:
             for c in members:
                 c.cmd = _with_flag(c.cmd, "--dep-master", master)
         for c in members:
-            c.proc = _popen(c.cmd, quiet=c.role == "redis")
+            c.proc = _popen(c.cmd, quiet=c.role == "redis", env=c.env)
         unit.state, unit.started = "starting", time.monotonic()
         pids = ", ".join(f"{c.name} pid {c.proc.pid}" for c in members)
         self._say(f"restarted {unit.name} ({pids})")
@@ -396,10 +420,14 @@ def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             p.wait()
 
 
-def _popen(cmd: list[str], quiet: bool = False) -> subprocess.Popen[bytes]:
-    """A child that dies with us; ``quiet``: without stdout (our own stdout is the endpoints)."""
+def _popen(
+    cmd: list[str], quiet: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """A child that dies with us; ``quiet``: without stdout (our own stdout is the endpoints);
+    ``env``: variables on top of ours."""
     stdout = subprocess.DEVNULL if quiet else None
-    return subprocess.Popen(cmd, stdout=stdout, preexec_fn=die_with_parent)
+    full = {**os.environ, **env} if env else None
+    return subprocess.Popen(cmd, stdout=stdout, preexec_fn=die_with_parent, env=full)
 
 
 def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
@@ -410,14 +438,17 @@ def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
 
 def _healthy(child: Child) -> bool:
     """One quick look: the child answers its health check (the gateway: GET /health; redis:
-    PING)."""
+    PING), and it is the child that holds its port."""
+    host, port_text = child.address.rsplit(":", 1)
+    port = int(port_text)
     if child.role == "redis":
-        host, port = child.address.rsplit(":", 1)
-        return redis_answers(host, int(port))
+        return redis_answers(host, port)
     if child.role == "gateway":
-        return _http_ok(f"http://{child.address}/health", timeout=0.5)
-    with grpc.insecure_channel(child.address) as channel:
-        return _serving(health_pb2_grpc.HealthStub(channel), timeout=0.5)
+        ok = _http_ok(f"http://{child.address}/health", timeout=0.5)
+    else:
+        with grpc.insecure_channel(child.address) as channel:
+            ok = _serving(health_pb2_grpc.HealthStub(channel), timeout=0.5)
+    return ok and listens(child.proc.pid, port)  # ours, not a process that took its port
 
 
 def _http_ok(url: str, timeout: float = 1.0) -> bool:
@@ -448,8 +479,12 @@ def run(spec: ClusterSpec) -> int:
             flush=True,
         )
         code = launcher.wait()
+    except PortInUse as e:
+        print(f"ferry up: {e}", file=sys.stderr, flush=True)
+        code = USAGE_ERROR
     except RuntimeError as e:
         print(f"ferry up: {e}", file=sys.stderr, flush=True)
+        code = e.code if isinstance(e, StartupFailed) else 1
     finally:
         launcher.stop()
     return code

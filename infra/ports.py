@@ -9,6 +9,8 @@ range only another explicit pick can take it, and this process never hands out o
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
 import threading
@@ -36,6 +38,28 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on ``port``: the process answering
+    there is that one, not another that took the port. True where /proc cannot tell."""
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not tables[0].exists():
+        return True
+    inodes = set()
+    for table in tables:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                f = line.split()  # sl local_address rem_address st ... inode
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
+    fds = Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        for fd in fds.iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return True
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferry.services.common.listeners import USAGE_ERROR
+
 RESTART_MODES = ("on-failure", "always", "never")
 
 
@@ -32,7 +34,10 @@ class RestartPolicy:
 
     def wants(self, returncode: int) -> bool:
         """Whether a child that exited with ``returncode`` (negative: killed by that signal) is
-        to be started again."""
+        to be started again. Never one that exited 2: it cannot run as configured (a taken
+        port, a bad flag), and would fail the same way again."""
+        if returncode == USAGE_ERROR:
+            return False
         return self.mode == "always" or (self.mode == "on-failure" and returncode != 0)
 
 

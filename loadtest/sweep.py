@@ -401,12 +401,14 @@ def server_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     prompt = delta("ferry_scheduler_prompt_tokens_total")
-    ttft_n = delta("ferry_time_to_first_token_seconds_count")
+    ttft_n = delta("ferry_scheduler_time_to_first_token_seconds_count")
     out: dict[str, Any] = {
         "prefix_cache_hit_rate": delta("ferry_scheduler_cached_tokens_total") / prompt
         if prompt
         else None,
-        "ttft_mean_s": delta("ferry_time_to_first_token_seconds_sum") / ttft_n if ttft_n else None,
+        "ttft_mean_s": delta("ferry_scheduler_time_to_first_token_seconds_sum") / ttft_n
+        if ttft_n
+        else None,
         "kv_transfer_bytes": sum(
             after[k] - before.get(k, 0.0)
             for k in after

@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from ferry.services.common.listeners import NO_PORT_SHARING
+
 KEEPALIVE_S = 3.0  # the default; --keepalive
 MIN_KEEPALIVE_S = 1.0
 _keepalive_ms = int(KEEPALIVE_S * 1000)
@@ -63,8 +65,9 @@ def _pings() -> list[tuple[str, Any]]:
 
 
 def server_options() -> list[tuple[str, Any]]:
-    """A server of ours pings its clients and accepts their pings."""
-    return [*_pings(), *ACCEPT_PINGS]
+    """A server of ours pings its clients, accepts their pings, and shares its port with no
+    other server (listeners.py)."""
+    return [*_pings(), *ACCEPT_PINGS, *NO_PORT_SHARING]
 
 
 def channel_options() -> list[tuple[str, Any]]:

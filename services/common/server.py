@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from typing import NoReturn
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ferry.services.common.channels import server_options
 from ferry.services.common.config import ServiceConfig
+from ferry.services.common.listeners import USAGE_ERROR, PortInUse, add_port
 from ferry.services.common.log import get_logger
 from ferry.services.common.metrics_http import start_metrics_server
 
@@ -55,7 +57,7 @@ def create_server(config: ServiceConfig, service: Service) -> tuple[grpc.aio.Ser
     service.add_to_server(server)
     names = (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, config.host, config.port, f"the {service.role} gRPC server", "--port")
     return server, port
 
 
@@ -89,7 +91,12 @@ async def serve(config: ServiceConfig, service: Service, stop: asyncio.Event | N
 
 
 def main(config: ServiceConfig, service: Service) -> int:
-    asyncio.run(serve(config, service))
+    try:
+        asyncio.run(serve(config, service))
+    except PortInUse as e:
+        log.error("port_in_use", error=str(e))
+        print(f"ferry serve {service.role}: {e}", file=sys.stderr)
+        return USAGE_ERROR
     return service.exit_code
 
 

@@ -13,6 +13,7 @@ import grpc
 from ferry.protos import kv_transfer_pb2 as pb
 from ferry.protos import kv_transfer_pb2_grpc as pb_grpc
 from ferry.services.common.channels import ChannelPool, server_options
+from ferry.services.common.listeners import add_port
 from ferry.services.kv_transfer.handle import LeaseNotFound, TransferError
 from ferry.services.kv_transfer.staging import as_bytes, checksum
 from ferry.services.kv_transfer.transport import KvSink, KvTransport, register
@@ -74,7 +75,7 @@ class GrpcTransport(KvTransport):
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
         self._server = grpc.aio.server(options=server_options())
         pb_grpc.add_KvTransferServicer_to_server(_Servicer(exporter, self), self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(self._server, host, port, "the KV transfer server", "--kv-port")
         await self._server.start()
         return bound
 

@@ -10,7 +10,7 @@ MIGRATIONS = Counter(
 RETRIES = Counter("ferry_scheduler_retries_total", "Calls retried on another worker", ["stage"])
 RUNNING = Gauge("ferry_scheduler_running_requests", "Generate calls in flight")
 TTFT = Histogram(
-    "ferry_time_to_first_token_seconds",
+    "ferry_scheduler_time_to_first_token_seconds",
     "From Generate to the first token, at the scheduler",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )

@@ -115,6 +115,27 @@ def test_the_control_plane_runs_without_torch(cluster_a: Cluster) -> None:
     assert all(torch_loaded(pid) for pid in roles["prefill"] + roles["decode"])
 
 
+def test_a_second_cluster_on_the_same_ports_exits_2_and_the_first_serves_on(
+    cluster_a: Cluster,
+) -> None:
+    """gRPC servers would share a port (SO_REUSEPORT): a second `ferry up` on the first's
+    scheduler port would have served its clients. It is refused before it starts anything."""
+    port = int(cluster_a.scheduler.rsplit(":", 1)[1])
+    started = time.monotonic()
+    up = [sys.executable, "-P", "-m", "ferry.infra.cli", "up", "--cluster", "second"]
+    second = subprocess.run(
+        [*up, "--scheduler-port", str(port), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2, second.stderr
+    assert f":{port}" in second.stderr and "--scheduler-port" in second.stderr, second.stderr
+    assert time.monotonic() - started < 10
+    (r,) = run(generate(cluster_a.scheduler, prompts(1)[0], greedy(3, ignore_eos=True)))
+    assert r.code is None and len(r.token_ids) == 3
+
+
 def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
     cluster_a: Cluster, checkpoint: Path
 ) -> None:
@@ -147,7 +168,7 @@ def test_greedy_and_seeded_outputs_equal_the_in_process_engine(
 
 def test_every_service_serves_prometheus_metrics(cluster_a: Cluster) -> None:
     expect = {
-        "scheduler": "ferry_time_to_first_token_seconds_count",
+        "scheduler": "ferry_scheduler_time_to_first_token_seconds_count",
         "prefill": "ferry_prefill_requests_total",
         "decode": "ferry_decode_tokens_per_message_count",
     }
@@ -158,6 +179,12 @@ def test_every_service_serves_prometheus_metrics(cluster_a: Cluster) -> None:
             text = reply.read().decode()
         (line,) = [ln for ln in text.splitlines() if ln.startswith(expect[r.role])]
         assert float(line.split()[-1]) > 0, (r.worker_id, line)
+        # its own role's families only (beside the engine's and KV transfer's on a worker)
+        others = {"ferry_scheduler_", "ferry_prefill_", "ferry_decode_", "ferry_gateway_"}
+        others -= {f"ferry_{r.role}_"}
+        families = {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE ferry_")}
+        foreign = [f for f in families if f.startswith(tuple(others))]
+        assert not foreign, (r.worker_id, foreign)
         if r.role != "scheduler":  # the engine's gauges, labelled with the worker's id
             blocks = f'ferry_engine_kv_blocks{{worker="{r.worker_id}"}} '
             (line,) = [ln for ln in text.splitlines() if ln.startswith(blocks)]

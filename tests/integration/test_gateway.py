@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -711,18 +712,62 @@ def test_models_health_and_metrics(
         ({"logit_bias": {"99999": 1}}, openai.BadRequestError, "logit_bias"),  # the worker's
         ({"prompt": [1, 99999]}, openai.BadRequestError, "prompt"),  # the worker's too
         ({"extra_body": {"priority": 2**31}}, openai.BadRequestError, "priority"),
+        ({"max_tokens": 2**31}, openai.BadRequestError, "max_tokens"),
+        (  # the worker's, compiling the grammar
+            {"extra_body": {"structured_outputs": {"regex": "(x"}}},
+            openai.BadRequestError,
+            "response_format",
+        ),
     ],
 )
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_errors_raise_the_matching_openai_exception(
-    client: openai.OpenAI, checkpoint: Path, kw: dict[str, object], error: type, param: str
+    client: openai.OpenAI,
+    checkpoint: Path,
+    kw: dict[str, object],
+    error: type,
+    param: str,
+    stream: bool,
 ) -> None:
+    """Streamed too: the status line waits for the scheduler's first chunk, so a refusal is an
+    HTTP error (vLLM's behaviour), not a 200 with the error in the stream."""
     args: dict[str, object] = {"model": model_of(checkpoint), "prompt": "hi", "max_tokens": 4}
-    args.update(kw)
+    args.update(kw, stream=stream)
     with pytest.raises(error) as info:
-        client.completions.create(**args)  # type: ignore[call-overload]
+        out = client.completions.create(**args)  # type: ignore[call-overload]
+        list(out) if stream else None
     body = info.value.body
     assert isinstance(body, dict) and body["param"] == param, body
     assert body["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_gone_before_its_answer_frees_the_request(
+    cluster: Cluster, checkpoint: Path, path: str
+) -> None:
+    """Not streamed: the client hangs up while the answer is being generated; the request is
+    aborted on its worker and its blocks freed, as a streamed one's are."""
+    body: dict[str, object] = {"model": model_of(checkpoint), "max_tokens": 900}
+    body["ignore_eos"] = True
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "go on"}]
+    else:
+        body["prompt"] = "go on"
+    data = json.dumps(body).encode()
+    host, port = cluster.gateway.removeprefix("http://").split(":")
+
+    def decoding() -> float:
+        return cluster.metric("decode-0", "ferry_engine_requests_running")
+
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        cluster.wait_for("the request decoding", lambda: decoding() >= 1, 30)
+    cluster.wait_for("the request aborted", lambda: decoding() == 0, 10)
+    cluster.wait_for("blocks free", cluster.all_blocks_free, 10)
 
 
 def _post(url: str, data: bytes, path: str = "/v1/completions") -> tuple[int, dict[str, Any]]:
@@ -852,6 +897,30 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_ferry_up_gives_the_gateway_its_key_off_the_command_line(checkpoint: Path) -> None:
+    with (
+        redis_server() as redis,
+        ferry_up(
+            redis.url,
+            "--aggregated",
+            "1",
+            "--model",
+            str(checkpoint),
+            "--api-key",
+            "sesame",
+            cluster="keyed",
+        ) as c,
+    ):
+        (pid,) = c.children()["gateway"]
+        assert b"sesame" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"FERRY_API_KEY=sesame" in Path(f"/proc/{pid}/environ").read_bytes()
+        keyless = openai.OpenAI(base_url=c.gateway + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            keyless.models.list()
+        keyed = openai.OpenAI(base_url=c.gateway + "/v1", api_key="sesame", max_retries=0)
+        assert [m.id for m in keyed.models.list()] == [str(checkpoint)]
 
 
 def test_a_reasoning_parser_splits_thinking_from_the_answer(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -107,6 +108,25 @@ def test_errors_are_typed_with_the_server_message(cluster: Cluster) -> None:
             client.complete("x", model="gpt-9", max_tokens=4)
         with pytest.raises(TypeError, match="unknown sampling parameter"):
             client.complete("x", max_tokenz=4)
+
+
+def test_grpc_calls_are_counted_like_rest_requests(cluster: Cluster) -> None:
+    def count(status: str) -> float:
+        endpoint = 'ferry_gateway_requests_total{endpoint="/ferry.v1.Ferry/Generate"'
+        with urllib.request.urlopen(cluster.gateway + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        return sum(
+            float(ln.split()[-1])
+            for ln in lines
+            if ln.startswith(endpoint) and f'status="{status}"' in ln
+        )
+
+    ok, bad = count("200"), count("400")
+    with FerryClient(cluster.grpc) as client:
+        client.complete("x", max_tokens=2)
+        with pytest.raises(InvalidRequestError):
+            client.complete("x", max_tokens=4, temperature=-2.0)
+    assert (count("200"), count("400")) == (ok + 1, bad + 1)
 
 
 def test_unavailable_is_retried_then_raised() -> None:

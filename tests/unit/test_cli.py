@@ -48,6 +48,31 @@ def test_every_serve_flag_names_its_environment_variable() -> None:
         assert env in run.stdout
 
 
+def test_help_shows_real_defaults_and_no_none() -> None:
+    run = _ferry("up", "--help")
+    assert run.returncode == 0, run.stderr
+    assert "[FERRY_PREFILL]" in run.stdout and "[FERRY_PORT; 8000]" in run.stdout
+    assert "None]" not in run.stdout
+
+
+def test_the_api_key_never_goes_on_a_command_line(tmp_path: Path) -> None:
+    from ferry.infra.cli import build_parser, cluster_spec
+
+    spec = cluster_spec(build_parser().parse_args(["up", "--api-key", "sesame"]))
+    assert "sesame" not in " ".join(arg for args in spec.serve_args.values() for arg in args)
+    assert spec.serve_env["gateway"]["FERRY_API_KEY"] == "sesame"
+    key = tmp_path / "key"
+    key.write_text("sesame\n")
+    key.chmod(0o644)
+    run = _ferry("serve", "gateway", "--api-key-file", str(key))
+    assert run.returncode == 2 and "readable by other users" in run.stderr, run.stderr
+    key.chmod(0o600)
+    spec = cluster_spec(build_parser().parse_args(["up", "--api-key-file", str(key)]))
+    assert spec.serve_env["gateway"]["FERRY_API_KEY"] == "sesame"
+    run = _ferry("serve", "gateway", "--api-key", "x", "--api-key-file", str(key))
+    assert run.returncode == 2 and "not both" in run.stderr, run.stderr
+
+
 def test_environment_variables_set_flag_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     from ferry.infra.cli import build_parser
 

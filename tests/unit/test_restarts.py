@@ -13,9 +13,9 @@ from ferry.infra.restarts import Backoff, RestartPolicy
 @pytest.mark.parametrize(
     ("mode", "restarts"),
     [
-        ("on-failure", {0: False, 1: True, -signal.SIGKILL: True, -signal.SIGSEGV: True}),
-        ("always", {0: True, 1: True, -signal.SIGKILL: True}),
-        ("never", {0: False, 1: False, -signal.SIGKILL: False}),
+        ("on-failure", {0: False, 1: True, 2: False, -signal.SIGKILL: True, -signal.SIGSEGV: True}),
+        ("always", {0: True, 1: True, 2: False, -signal.SIGKILL: True}),
+        ("never", {0: False, 1: False, 2: False, -signal.SIGKILL: False}),
     ],
 )
 def test_which_exits_restart(mode: str, restarts: dict[int, bool]) -> None:
