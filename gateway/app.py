@@ -28,8 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry.gateway import metrics, reasoning
-from ferry.gateway.backend import Backend, GatewayConfig
+from ferry.gateway.backend import Backend
 from ferry.gateway.body_limit import BodyLimit
+from ferry.gateway.config import GatewayConfig
 from ferry.gateway.errors import OpenAIError
 from ferry.gateway.protocol import (
     MAX_CHOICES,

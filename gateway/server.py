@@ -9,7 +9,8 @@ import sys
 import uvicorn
 
 from ferry.gateway.app import create_app
-from ferry.gateway.backend import Backend, GatewayConfig
+from ferry.gateway.backend import Backend
+from ferry.gateway.config import GatewayConfig
 from ferry.gateway.grpc_api import start_grpc
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, listen_tcp
 from ferry.services.common.log import configure_logging, get_logger

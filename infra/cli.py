@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ferry.gateway.backend import GatewayConfig
+from ferry.gateway.config import GatewayConfig
 from ferry.infra import flags
 from ferry.infra.launcher import WORKER_ROLES
 from ferry.infra.restarts import RESTART_MODES
@@ -18,8 +18,8 @@ from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
 from ferry.services.engine.model.presets import PRESETS
-from ferry.services.eplb_controller.service import EplbConfig
-from ferry.services.scheduler.service import SchedulerConfig
+from ferry.services.eplb_controller.config import EplbConfig
+from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:

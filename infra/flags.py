@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ferry.gateway.backend import GatewayConfig
+from ferry.gateway.config import GatewayConfig
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.engine.config import DTYPES, EngineConfig
-from ferry.services.eplb_controller.service import EplbConfig
+from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.kv_transfer.registry import transport_names
+from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.scheduler.policies import POLICIES
-from ferry.services.scheduler.service import SchedulerConfig
 from ferry.services.worker.config import WorkerConfig
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -208,6 +208,11 @@ def _text(rng: random.Random, n: int) -> str:
     return "".join(parts)[:n]
 
 
+def _tool(call_id: str, output: str) -> Message:
+    """A tool turn: what the call ``call_id`` returned (OpenAI requires the id)."""
+    return {"role": "tool", "tool_call_id": call_id, "content": output}
+
+
 @dataclass
 class _SessionBuilder:
     """Grows one session's request tree, turn by turn, within the context limit."""
@@ -256,15 +261,13 @@ class _SessionBuilder:
         subtask = {"role": "user", "content": "Subtask: " + _text(self.rng, 96)}
         self._agent(name, fork, (subtask,), self.rng.randint(*c.subagent_turns))
         result = _text(self.rng, self.rng.randint(*c.subagent_result_tokens))
-        return ({"role": "tool", "content": f"{name} returned: {result}"},)
+        return (_tool(f"call_{name}", f"{name} returned: {result}"),)
 
     def _observation(self) -> Message:
         c = self.config
         if self.rng.random() < c.tool_probability:
-            return {
-                "role": "tool",
-                "content": _text(self.rng, c.tool_output_tokens.sample(self.rng)),
-            }
+            output = _text(self.rng, c.tool_output_tokens.sample(self.rng))
+            return _tool(f"call_{len(self.requests)}", output)
         return {"role": "user", "content": _text(self.rng, c.user_text_tokens.sample(self.rng))}
 
     def _add(

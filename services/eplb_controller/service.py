@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -31,31 +31,15 @@ from ferry.services.common.cluster_state import (
     ExpertLoadReport,
     WorkerRecord,
 )
-from ferry.services.common.config import ServiceConfig
 from ferry.services.common.log import get_logger
 from ferry.services.common.placement_map import placement_map, slot_map
 from ferry.services.common.server import Service
 from ferry.services.eplb_controller import metrics
 from ferry.services.eplb_controller.algorithm import balancedness, rebalance
 from ferry.services.eplb_controller.balance import BalanceWindow, aligned_rows
+from ferry.services.eplb_controller.config import EplbConfig
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class EplbConfig:
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-    interval_steps: int = 0  # rebalance a group every this many of its steps; 0: only on request
-    poll_s: float = 1.0  # how often the load reports are read
-    num_nodes: int = 1  # nodes a group's ranks span (the hierarchical policy packs per node)
-    min_gain: float = 0.01  # apply only placements predicted to raise balancedness this much
-    apply_timeout_s: float = 120.0
-    window_s: float = 10.0  # measured balancedness covers this much recent traffic
-    forget_after_s: float = 60.0  # what is kept about a group that left the registry this long
-
-    def __post_init__(self) -> None:
-        if self.interval_steps < 0 or self.poll_s <= 0 or self.num_nodes < 1:
-            raise ValueError("interval_steps must be >= 0, poll_s > 0 and num_nodes >= 1")
 
 
 @dataclass

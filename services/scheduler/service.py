@@ -38,7 +38,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -54,7 +54,6 @@ from ferry.protos import (
 from ferry.services.common import convert
 from ferry.services.common.channels import ChannelPool
 from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
-from ferry.services.common.config import ServiceConfig
 from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.prefix_hash import prefix_hashes
@@ -62,7 +61,8 @@ from ferry.services.common.server import Service, abort_with
 from ferry.services.common.streamed import Streamed
 from ferry.services.scheduler import metrics
 from ferry.services.scheduler.cluster_view import ClusterView
-from ferry.services.scheduler.policies import POLICIES, Candidate, RouteRequest, create_policy
+from ferry.services.scheduler.config import SchedulerConfig
+from ferry.services.scheduler.policies import Candidate, RouteRequest, create_policy
 from ferry.services.scheduler.prefix_index import follow
 
 log = get_logger(__name__)
@@ -75,26 +75,6 @@ MIGRATABLE = (
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-    routing_policy: str = "kv_aware"
-    max_attempts: int = 3  # per stage (prefill, decode), first try included
-    retry_backoff_s: float = 0.05  # doubled after every failed attempt
-    refresh_s: float = 0.25  # how often the registry and loads are read from Redis
-    migration_limit: int = 0  # moves of a request whose worker fails after streaming (0: none)
-
-    def __post_init__(self) -> None:
-        if self.routing_policy not in POLICIES:
-            raise ValueError(
-                f"routing_policy={self.routing_policy!r}: choose one of {', '.join(POLICIES)}"
-            )
-        if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
-        if self.migration_limit < 0:
-            raise ValueError("migration_limit must be >= 0")
 
 
 class Failed(Exception):

@@ -16,7 +16,8 @@ from ferry.services.common.cluster_state import ClusterState, ExpertLoadReport, 
 from ferry.services.common.config import ServiceConfig
 from ferry.services.eplb_controller import metrics
 from ferry.services.eplb_controller.balance import measured_balancedness
-from ferry.services.eplb_controller.service import EplbConfig, EplbController
+from ferry.services.eplb_controller.config import EplbConfig
+from ferry.services.eplb_controller.service import EplbController
 from tests.redis_server import redis_server
 
 

@@ -26,7 +26,8 @@ from ferry.services.decode_worker.service import DecodeWorker
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.prefill_worker.service import PrefillWorker
 from ferry.services.scheduler import metrics
-from ferry.services.scheduler.service import Failed, Scheduler, SchedulerConfig
+from ferry.services.scheduler.config import SchedulerConfig
+from ferry.services.scheduler.service import Failed, Scheduler
 from ferry.services.worker.config import WorkerConfig
 from ferry.services.worker.engine_worker import EngineWorker
 from tests.redis_server import RedisServer, redis_server

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from ferry.gateway import metrics
 from ferry.gateway.app import create_app
-from ferry.gateway.backend import GatewayConfig
+from ferry.gateway.config import GatewayConfig
 
 JSON = {"content-type": "application/json"}
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 4}

@@ -19,7 +19,8 @@ from ferry.infra.ports import free_port, listens
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import PortInUse
 from ferry.services.common.server import create_server
-from ferry.services.scheduler.service import Scheduler, SchedulerConfig
+from ferry.services.scheduler.config import SchedulerConfig
+from ferry.services.scheduler.service import Scheduler
 
 
 def _ferry(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
