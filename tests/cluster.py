@@ -113,6 +113,18 @@ class Cluster:
         self.pids[worker_id] = pid()
         return self.pids[worker_id]
 
+    def settled(self, timeout: float) -> dict[str, int]:
+        """Wait until every worker in ``pids`` is registered (a worker may have left and be
+        restarting after the tests before: a peer killed mid-transfer can wedge its UCX, see
+        ucx.UCX_DEFAULTS), then take their pids from the registry."""
+        self.wait_for(
+            "every worker registered",
+            lambda: {v.record.worker_id for v in self.views()} >= self.pids.keys(),
+            timeout,
+        )
+        self.pids.update({v.record.worker_id: v.record.pid for v in self.views()})
+        return self.pids
+
     @contextmanager
     def stopped(self, *worker_ids: str) -> Iterator[None]:
         """SIGSTOP the workers for the block (SIGCONT after, whatever happens)."""

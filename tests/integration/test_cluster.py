@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import signal
 import socket
@@ -532,57 +533,66 @@ def test_a_worker_whose_ucx_cannot_connect_leaves_and_is_restarted(cluster_a: Cl
 
 
 def test_sigterm_lets_in_flight_streams_finish(cluster_a: Cluster) -> None:
-    """SIGTERM: the worker marks its record draining (nothing new is routed to it) and the
-    streams it is serving run to the end within the grace period, on it: the scheduler does not
-    take it for hung. Its exit is clean, so `ferry up` does not restart it, and new requests go
-    to decode-1 (restarted by the test above)."""
+    """SIGTERM to a decode worker that is streaming: it marks its record draining (nothing new
+    is routed to it) and its streams run to the end within the grace period, on it: the
+    scheduler neither takes it for hung nor moves them. Its exit is clean, so `ferry up` does
+    not restart it, and new requests go to the other decode worker."""
     from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 
-    pid = cluster_a.pids["decode-0"]
+    pids = cluster_a.settled(60)  # the registry's processes, whatever the tests above restarted
+    n = 160  # the signal lands mid-stream; the rest fits in the grace period (5 s)
 
-    def marked_draining() -> bool:
-        return any(e.get("worker_id") == "decode-0" for e in cluster_a.events("draining"))
+    def streaming() -> str:  # a decode worker with requests in its batch, by its /metrics
+        running = 'ferry_engine_requests_running{worker="%s"}'
+        decode = [w for w in pids if w.startswith("decode-")]
+        return next((w for w in decode if cluster_a.metric(w, running % w)), "")
 
-    def taken_for_hung() -> int:  # the scheduler's cuts of decode-0's calls (the tests above)
+    def drained(worker: str) -> int:
+        return sum(e.get("worker_id") == worker for e in cluster_a.events("draining"))
+
+    def taken_for_hung(pid: int) -> int:  # the scheduler's cuts of its calls (the tests above)
         return sum(e.get("pid") == pid for e in cluster_a.events("worker_gone"))
 
-    async def main() -> tuple[list[int], int, int, int]:
+    async def main() -> tuple[str, list[int], int, int, int]:
         async with grpc.aio.insecure_channel(cluster_a.scheduler) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             calls = [
                 stub.Generate(
                     scheduler_pb2.GenerateRequest(
-                        prompt_token_ids=p, sampling_params=greedy(64, ignore_eos=True)
+                        prompt_token_ids=p, sampling_params=greedy(n, ignore_eos=True)
                     ),
                     timeout=30,
                 )
                 for p in prompts(4)
             ]
             counts = []
-            for call in calls:  # the first token, then one from decode-0
+            for call in calls:  # the first token, then one from a decode worker
                 counts.append(sum([len((await call.read()).token_ids) for _ in range(2)]))
-            restarts = cluster_a.times_said("restarting decode-0")  # by the tests above
-            moves, hung = cluster_a.times_logged(MIGRATING), taken_for_hung()
-            cluster_a.signal("decode-0", signal.SIGTERM)
-            await asyncio.to_thread(cluster_a.wait_for, "decode-0 draining", marked_draining, 30)
+            busy = await asyncio.to_thread(streaming)
+            assert busy, "no decode worker runs the streams"
+            before = drained(busy), taken_for_hung(pids[busy]), cluster_a.times_logged(MIGRATING)
+            os.kill(pids[busy], signal.SIGTERM)
+            marked = lambda: drained(busy) > before[0]  # noqa: E731
+            await asyncio.to_thread(cluster_a.wait_for, f"{busy} draining", marked, 30)
             for i, call in enumerate(calls):
                 while (chunk := await call.read()) is not grpc.aio.EOF:
                     counts[i] += len(chunk.token_ids)
-            return counts, restarts, cluster_a.times_logged(MIGRATING) - moves, hung
+            moved = cluster_a.times_logged(MIGRATING) - before[2]
+            return busy, counts, moved, before[1], cluster_a.times_said(f"restarting {busy}")
 
-    counts, restarts, moved, hung = asyncio.run(asyncio.wait_for(main(), 60))
-    assert counts == [64] * 4
-    # they ended on decode-0: a draining worker stays registered (marked draining), so the
-    # scheduler neither cuts its calls as those of a worker that hung nor moves them
+    busy, counts, moved, hung, restarts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert counts == [n] * 4
+    # they ended on it: a draining worker stays registered (marked draining), so the scheduler
+    # neither cuts its calls as those of a worker that hung nor moves them
     assert moved == 0, cluster_a.log_tail()
-    assert taken_for_hung() == hung, cluster_a.log_tail()
-    cluster_a.wait_for("decode-0 exited", lambda: cluster_a.said("decode-0 exited with code 0"), 30)
+    assert taken_for_hung(pids[busy]) == hung, cluster_a.log_tail()
+    cluster_a.wait_for(f"{busy} exited", lambda: cluster_a.said(f"{busy} exited with code 0"), 30)
     results = run(
         *(generate(cluster_a.scheduler, p, greedy(6, ignore_eos=True)) for p in prompts(4))
     )
     assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
-    cluster_a.wait_for("decode-0 down", lambda: cluster_a.said("decode-0 stays down"), 30)
-    assert cluster_a.times_said("restarting decode-0") == restarts
+    cluster_a.wait_for(f"{busy} down", lambda: cluster_a.said(f"{busy} stays down"), 30)
+    assert cluster_a.times_said(f"restarting {busy}") == restarts
 
 
 def test_killed_prefill_worker_retries_what_streamed_nothing(
