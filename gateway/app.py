@@ -159,7 +159,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             messages = [m.for_template() for m in body.messages]
             ids = backend.encode_chat(messages, **body.render_options())
         else:
-            ids = backend.tokenizer.encode(body.prompt or "", add_bos=body.add_special_tokens)
+            ids = backend.encode(body.prompt or "", add_bos=body.add_special_tokens)
         strs = [backend.token_text(t) for t in ids] if body.return_token_strs else None
         return {
             "count": len(ids),

@@ -18,7 +18,7 @@ from ferry.gateway.schedulers import Replica, SchedulerPool
 from ferry.protos import common_pb2, scheduler_pb2
 from ferry.services.common.log import get_logger
 from ferry.services.common.streamed import Streamed
-from ferry.services.common.tokenizer import Tokenizer, load_tokenizer
+from ferry.services.common.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 
 log = get_logger(__name__)
 
@@ -37,6 +37,8 @@ class Backend:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
+        # vLLM's --skip-tokenizer-init: prompts as token ids only, outputs with empty text
+        self.token_ids_only = isinstance(self.tokenizer, NoTokenizer)
         self.chat_template = ChatTemplate.for_model(config.model)
         self.schedulers = SchedulerPool(config.schedulers, config.scheduler_wait_s)
 
@@ -58,11 +60,24 @@ class Backend:
         string cannot be told from none)."""
         if not prompt:
             raise OpenAIError(400, "prompt is empty", param="prompt")
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """``text``'s token ids; a 400 (``prompt``) for a model without a tokenizer."""
+        if self.token_ids_only:
+            raise OpenAIError(400, NoTokenizer.ENCODE_ERROR, param="prompt")
+        return self.tokenizer.encode(text, add_bos)
 
     def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         """The messages through the chat template (``options``: ChatTemplate.render's), as
-        token ids; a template that fails is a 400."""
+        token ids; a template that fails, or a model without a tokenizer, is a 400."""
+        if self.token_ids_only:
+            raise OpenAIError(
+                400,
+                "the model has no tokenizer.json, so it cannot read chat messages: send a "
+                "completion whose prompt is token ids",
+                param="messages",
+            )
         try:
             text = self.chat_template.render(messages, **options)
         except ValueError as e:
@@ -71,6 +86,10 @@ class Backend:
         return self.tokenizer.encode(text, add_bos=not (bos and text.startswith(bos)))
 
     def decode(self, token_ids: list[int]) -> str:
+        if self.token_ids_only:
+            raise OpenAIError(
+                400, "the model has no tokenizer.json, so it cannot decode tokens", param="tokens"
+            )
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -101,6 +120,10 @@ class Backend:
         return None
 
     def token_text(self, token_id: int) -> str:
+        """The token as logprobs name it: its text, or vLLM's ``token_id:N`` for a model without
+        a tokenizer (all texts would be "")."""
+        if self.token_ids_only:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def generate(

@@ -1,4 +1,5 @@
-"""Tokenizers: a checkpoint's ``tokenizer.json`` (HF ``tokenizers``) or Ferry's byte-level one.
+"""Tokenizers: a checkpoint's ``tokenizer.json`` (HF ``tokenizers``), Ferry's byte-level one, or
+none (:class:`NoTokenizer`: a checkpoint that serves token ids only).
 
 Detokenization is incremental: :class:`IncrementalDetokenizer` turns a growing list of token ids
 into text deltas and never emits half of a UTF-8 character; bytes that can never form one come
@@ -10,7 +11,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import tokenizers
@@ -150,37 +151,73 @@ class _WindowDetokenizer:
         return full_text[len(prefix_text) :]
 
 
+class NoTokenizer:
+    """A checkpoint without a tokenizer (vLLM's ``--skip-tokenizer-init``): prompts come as token
+    ids, outputs are token ids with empty text, and text cannot be encoded."""
+
+    ENCODE_ERROR = (
+        "the model has no tokenizer.json, so it takes no text: send the prompt as token ids"
+    )
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None):
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        raise ValueError(self.ENCODE_ERROR)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return _NoDetokenizer()
+
+
+class _NoDetokenizer:
+    def push(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 def load_tokenizer(source: str | Path, vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer for a preset name or a checkpoint directory.
 
-    A checkpoint without tokenizer.json gets the byte-level tokenizer when its vocabulary is large
-    enough to hold it (the random checkpoints tests make), and an error otherwise.
+    A checkpoint without tokenizer.json gets the byte-level tokenizer when its vocabulary
+    (``vocab_size``, else config.json's) is large enough to hold it (the random checkpoints tests
+    make), and none (:class:`NoTokenizer`) otherwise.
     """
     path = Path(source)
     if not path.is_dir():
         return ByteTokenizer()
+    bos, eos = _special_ids(path)
     tok_file = path / "tokenizer.json"
     if tok_file.exists():
-        bos, eos = _special_ids(path)
         return HFTokenizer(tok_file, bos, eos)
+    vocab_size = vocab_size or _read_json(path / "config.json").get("vocab_size")
     if vocab_size is not None and vocab_size < ByteTokenizer.VOCAB_SIZE:
-        raise ValueError(
-            f"{path}: no tokenizer.json, and the model's vocabulary ({vocab_size}) is too small "
-            f"for the built-in byte-level tokenizer ({ByteTokenizer.VOCAB_SIZE} ids)"
-        )
+        return NoTokenizer(vocab_size, bos, eos)
     return ByteTokenizer()
+
+
+def _read_json(f: Path) -> dict[str, Any]:
+    """A JSON object from ``f``; empty when there is no such file."""
+    if not f.exists():
+        return {}
+    d: dict[str, Any] = json.loads(f.read_text())
+    return d
 
 
 def _special_ids(path: Path) -> tuple[int | None, int | None]:
     for name in ("config.json", "generation_config.json"):
-        f = path / name
-        if f.exists():
-            d = json.loads(f.read_text())
-            bos, eos = d.get("bos_token_id"), d.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if bos is not None or eos is not None:
-                return bos, eos
+        d = _read_json(path / name)
+        bos, eos = d.get("bos_token_id"), d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if bos is not None or eos is not None:
+            return bos, eos
     return None, None
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferry.services.common.sampling_params import SamplingParams
-from ferry.services.common.tokenizer import Tokenizer, load_tokenizer
+from ferry.services.common.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from ferry.services.engine.config import EngineConfig
 from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
@@ -136,6 +136,8 @@ class Engine:
             raise ValueError(
                 f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})"
             )
+        if isinstance(self.tokenizer, NoTokenizer):
+            _refuse_text(params)
         limit = self.max_model_len
         if params.max_tokens is None:
             if n >= limit:
@@ -422,6 +424,22 @@ def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
         sort_keys=True,
     )
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+
+def _refuse_text(params: SamplingParams) -> None:
+    """ValueError for what a model without a tokenizer (NoTokenizer) cannot do: its outputs
+    have no text to match stop strings or a grammar against."""
+    if params.stop:
+        raise ValueError(
+            "stop strings need the model's tokenizer, and it has no tokenizer.json: "
+            "stop on token ids (stop_token_ids) instead"
+        )
+    spec = params.structured_output
+    if spec is not None:
+        raise ValueError(
+            f"structured output ({spec.kind}) needs the model's tokenizer, and it has no "
+            "tokenizer.json"
+        )
 
 
 def _prompt_logprob_positions(req: Request, start: int, n: int) -> range:

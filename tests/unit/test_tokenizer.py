@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from ferry.services.common.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from ferry.services.common.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    NoTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from ferry.services.engine.model import export_preset
 
 TEXT = "héllo, 世界! 🚀 ok"
@@ -58,6 +65,15 @@ def test_exported_tokenizer_json_matches_byte_tokenizer(tmp_path: Path) -> None:
 
 
 def test_checkpoint_without_tokenizer_json(tmp_path: Path) -> None:
+    """The byte-level tokenizer when the vocabulary holds it; else none (token ids only, as
+    vLLM's --skip-tokenizer-init), the vocabulary and specials read from config.json."""
     assert isinstance(load_tokenizer(tmp_path, vocab_size=384), ByteTokenizer)
-    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
-        load_tokenizer(tmp_path, vocab_size=100)
+    config = {"vocab_size": 100, "bos_token_id": 0, "eos_token_id": [1, 2]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, NoTokenizer) and isinstance(load_tokenizer(tmp_path, 100), NoTokenizer)
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id) == (100, 0, 1)
+    with pytest.raises(ValueError, match=r"no tokenizer\.json.*send the prompt as token ids"):
+        tok.encode("hello")
+    assert tok.decode([5, 6, 7]) == ""
+    assert _stream(tok, [5, 6, 7]) == ["", "", "", ""]
