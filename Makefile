@@ -10,17 +10,21 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
 
 setup: $(STAMP) redis
 
 # Re-install when pyproject.toml changes; torch first so nothing pulls a CUDA build.
 $(STAMP): pyproject.toml
+	@echo "make: installing Ferry into $(VENV) (a few minutes on a fresh machine)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip 2>&1 | $(QUIET)
-	$(PIP) "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
-	$(PIP) -e '.[dev]' 2>&1 | $(QUIET)
+	@$(PIP) --upgrade pip 2>&1 | $(QUIET)
+	@echo "make: torch $(TORCH_VERSION), the CPU build"
+	@$(PIP) "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
+	@echo "make: Ferry and its dependencies (pyproject.toml)"
+	@$(PIP) -e '.[dev]' 2>&1 | $(QUIET)
 	@touch $(STAMP)
+	@echo "make: installed"
 
 redis:
 	@command -v redis-server >/dev/null || { \
@@ -36,7 +40,8 @@ protos: setup
 	cp build/protos/ferry/protos/* protos/
 
 run: setup
-	$(VENV)/bin/ferry up
+	@echo "make: ferry up: the tiny model, a private redis-server, the OpenAI API on :8000"
+	@$(VENV)/bin/ferry up
 
 # mypy and lint-imports read the packages under the names they install as: build/view/ferry/*
 # link to the folders.
@@ -57,7 +62,13 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 pytest: setup
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz
+
+# schemathesis over the REST API's OpenAPI schema and hypothesis over the public gRPC API, against
+# a `ferry up` of the tiny model: no 5xx, INTERNAL or UNKNOWN for a client's mistake, every error
+# in its documented shape (~2.5 min here) -> loadtest/results/fuzz.json
+fuzz: setup
+	$(VENV)/bin/pytest -q tests/fuzz
 
 # Ferry built and installed (not editable) into a fresh venv beside Hugging Face's `kernels` and
 # the newest transformers the requirement admits: both import, from outside the checkout. Then

@@ -31,7 +31,7 @@ from ferry.gateway import metrics, reasoning
 from ferry.gateway.backend import Backend
 from ferry.gateway.body_limit import BodyLimit
 from ferry.gateway.config import GatewayConfig
-from ferry.gateway.errors import OpenAIError
+from ferry.gateway.errors import ERROR_RESPONSES, OpenAIError
 from ferry.gateway.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -49,6 +49,14 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 
+# What the routes answer besides JSON, for the OpenAPI schema (their errors: ERROR_RESPONSES).
+# A completion: JSON, or with `stream: true` server-sent events of JSON.
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {"content": {"text/event-stream": {}}}}
+_PROMETHEUS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}
+}
+
+
 def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI:
     owned = backend is None
     backend = backend or Backend(config)
@@ -59,7 +67,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         if owned:  # else its owner closes it
             await backend.close()
 
-    app = FastAPI(title="Ferry", lifespan=lifespan)
+    app = FastAPI(title="Ferry", lifespan=lifespan, responses=ERROR_RESPONSES)
     app.state.backend = backend
 
     @app.middleware("http")
@@ -108,14 +116,14 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             return OpenAIError(400, message, code="json_invalid").response()
         return OpenAIError(e.status_code, str(e.detail), "invalid_request_error").response()
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Not ready: `detail` says why"}})
     async def health() -> JSONResponse:
         ok, why = await backend.ready()
         return JSONResponse(
             {"status": "ok" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=_PROMETHEUS)
     async def prometheus() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
@@ -128,7 +136,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         backend.check_model(name)
         return await _model_card(backend)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         backend.check_model(body.model)
         given = body.prompts()
@@ -173,7 +181,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         backend.check_model(body.model)
         return {"prompt": backend.decode(body.tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         backend.check_model(body.model)
         try:

@@ -4,9 +4,11 @@ scheduler's gRPC statuses become HTTP ones."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
 # Field names the engine's validation messages start with ("temperature must be >= 0, ..."):
 # the gateway reports them as the error's ``param``.
@@ -42,6 +44,34 @@ _HTTP = {
     grpc.StatusCode.CANCELLED: (499, "cancelled"),
 }
 RETRY_AFTER_S = 1
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str  # what to change, for a person
+    type: str
+    param: str | None  # the request's field at fault (a dotted path), when one is
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer, OpenAI's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorDetail
+
+
+# The error answers of every route in the OpenAPI schema. FastAPI's own 422 is never sent: a
+# body it refuses is a 400 in this shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "A client mistake: `message` says what to change"},
+    "5XX": {
+        "model": ErrorBody,
+        "description": "No scheduler or worker could serve it (503, 504), or a gateway failure",
+    },
+}
 
 
 def http_status(code: grpc.StatusCode) -> int:
@@ -82,6 +112,7 @@ class OpenAIError(Exception):
         self.grpc_code = grpc_code or _GRPC.get(status, grpc.StatusCode.INTERNAL)
 
     def body(self) -> dict[str, object]:
+        """An ``ErrorBody``."""
         return {
             "error": {
                 "message": self.message,

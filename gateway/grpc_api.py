@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -16,6 +20,7 @@ from ferry.gateway import metrics
 from ferry.gateway.backend import Backend
 from ferry.gateway.errors import OpenAIError, http_status
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
+from ferry.services.common import tls
 from ferry.services.common.channels import ACCEPT_PINGS
 from ferry.services.common.listeners import NO_PORT_SHARING, add_port
 
@@ -68,6 +73,68 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
             return ferry_pb2.ListModelsReply(models=[model])
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """A request whose bytes do not parse as its message. Its method answers INVALID_ARGUMENT
+    with ``why``; a deserializer that raised would have grpc answer UNKNOWN."""
+
+    why: str
+
+
+def _reader(kind: type[Message]) -> Callable[[bytes], Message | _Malformed]:
+    def read(data: bytes) -> Message | _Malformed:
+        try:
+            return kind.FromString(data)
+        except DecodeError as e:
+            name = kind.DESCRIPTOR.full_name
+            return _Malformed(f"the request is not a {name} in protobuf's wire format ({e})")
+
+    return read
+
+
+def _handler(name: str, behavior: Any, streaming: bool) -> Any:
+    """The servicer's method ``behavior``, which a _Malformed request does not reach."""
+
+    async def refuse(request: _Malformed, context: grpc.aio.ServicerContext) -> None:
+        async with _counted(name, context):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+
+    async def unary(request: Message | _Malformed, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            return await refuse(request, context)
+        return await behavior(request, context)
+
+    async def stream(
+        request: Message | _Malformed, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        if isinstance(request, _Malformed):
+            await refuse(request, context)
+            return
+        async for reply in behavior(request, context):
+            yield reply
+
+    return stream if streaming else unary
+
+
+def _add_servicer(servicer: FerryServicer, server: grpc.aio.Server) -> None:
+    """What ferry_pb2_grpc.add_FerryServicer_to_server does, each method's handler made from
+    the service's descriptor, with a request deserializer that does not raise (_reader)."""
+    handlers = {}
+    for method in ferry_pb2.DESCRIPTOR.services_by_name["Ferry"].methods:
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            _handler(method.name, getattr(servicer, method.name), method.server_streaming),
+            request_deserializer=_reader(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 @contextlib.asynccontextmanager
 async def _counted(method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
     """Count the call in ``ferry_gateway_requests_total`` as the REST API counts its requests:
@@ -89,13 +156,15 @@ async def start_grpc(backend: Backend, host: str, port: int) -> tuple[grpc.aio.S
     """The Ferry service, health and reflection on ``host:port`` (0: any free port)."""
     # clients may use keepalive as ours do; the port is this server's alone
     server = grpc.aio.server(options=[*ACCEPT_PINGS, *NO_PORT_SHARING])
-    ferry_pb2_grpc.add_FerryServicer_to_server(FerryServicer(backend), server)
+    _add_servicer(FerryServicer(backend), server)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = add_port(server, host, port, "the gateway's gRPC API", "--grpc-port")
+    # public: TLS when configured, but no client certificate (clients show the API key)
+    creds = tls.server_credentials(client_auth=False)
+    bound = add_port(server, host, port, "the gateway's gRPC API", "--grpc-port", creds)
     await server.start()
     for name in ("", SERVICE_NAME):
         await checker.set(name, health_pb2.HealthCheckResponse.SERVING)

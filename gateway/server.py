@@ -12,6 +12,7 @@ from ferry.gateway.app import create_app
 from ferry.gateway.backend import Backend
 from ferry.gateway.config import GatewayConfig
 from ferry.gateway.grpc_api import start_grpc
+from ferry.services.common import tls
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, listen_tcp
 from ferry.services.common.log import configure_logging, get_logger
 
@@ -25,14 +26,18 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
     port = sock.getsockname()[1]
     backend = Backend(config)
     app = create_app(config, backend)
+    certs = tls.files()  # HTTPS with the certificate the gateway shows its peers, when given
     http = uvicorn.Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             log_level=log_level,
+            log_config=None,  # its records reach our JSON handler (configure_logging)
             access_log=False,
             timeout_graceful_shutdown=int(GRACE_S),
+            ssl_certfile=certs.cert or None,
+            ssl_keyfile=certs.key or None,
         )
     )
     grpc_server = None
@@ -47,7 +52,7 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
     log.info(
         "serving",
         role="gateway",
-        http=f"{config.host}:{port}",
+        http=f"{tls.http_scheme()}://{config.host}:{port}",
         model=config.model_name,
         schedulers=",".join(config.schedulers),
     )

@@ -38,11 +38,12 @@ def _export_preset(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ferry.services.common import channels, server
+    from ferry.services.common import channels, server, tls
     from ferry.services.common.log import configure_logging
 
     try:  # flags that no service could run with: a usage error, before anything starts
         channels.configure(args.keepalive)
+        tls.configure(flags.tls_files(args))
         config = _role_config(args)
         for what, port, flag in _ports(args.role, config):
             check_free(args.host, port, what, flag)
@@ -132,6 +133,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise ValueError(f"--schedulers {args.schedulers}: a cluster needs at least one")
 
     channels.keepalive_ms(args.keepalive)  # ferry up's own flags: found as theirs
+    certs = flags.tls_files(args)
+    if args.tls and certs.on:
+        raise ValueError("--tls makes its own certificates: give it or --tls-cert/-key/-ca")
     ServiceConfig(ttl_s=args.heartbeat_ttl)
     keepalive = ["--keepalive", str(args.keepalive)]
     beats = [*keepalive, "--heartbeat-ttl", str(args.heartbeat_ttl)]  # every registered service's
@@ -181,6 +185,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         schedulers=args.schedulers,
         host=args.host,
         scheduler_port=args.scheduler_port,
+        gateway=not args.no_gateway,
         gateway_port=args.port,
         grpc_port=args.grpc_port,
         redis_url=args.redis_url,
@@ -189,6 +194,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         serve_args=serve_args,
         # the key reaches the gateway in its environment: argv is readable by any user
         serve_env={"gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""}},
+        tls=certs,
+        throwaway_tls=args.tls,
     )
 
 
@@ -257,8 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
     flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
-    flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: no gateway)")
+    flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: any free port)")
+    flags.add_switch(up, "--no-gateway", "start no gateway (clients call the scheduler)")
     flags.add_key_flags(up, "the gateway requires `Authorization: Bearer KEY`")
+    flags.add_switch(
+        up, "--tls", "mutual TLS inside, HTTPS outside, with a throwaway CA made for this run"
+    )
+    flags.add_tls_flags(up)
     flags.add(up, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
     flags.add(up, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
     flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")

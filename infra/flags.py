@@ -11,6 +11,7 @@ from typing import Any
 from ferry.gateway.config import GatewayConfig
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
+from ferry.services.common.tls import TlsFiles
 from ferry.services.engine.config import DTYPES, EngineConfig
 from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.kv_transfer.registry import transport_names
@@ -60,6 +61,7 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
         "heartbeat (it beats every TTL/3; a scheduler takes one whose record expired for hung)",
     )
     _add_keepalive(p)
+    add_tls_flags(p)
     add(p, "--log-level", d.log_level, "log level", choices=["debug", "info", "warning", "error"])
 
 
@@ -71,6 +73,17 @@ def _add_keepalive(p: argparse.ArgumentParser) -> None:
         "seconds between pings on each gRPC connection; a peer "
         "that does not answer within as long is taken for hung and its calls fail",
     )
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    """Mutual TLS between the services (services/common/tls.py); all three or none."""
+    add(p, "--tls-cert", "", "PEM certificate this process shows its peers (and HTTPS clients)")
+    add(p, "--tls-key", "", "PEM private key of --tls-cert")
+    add(p, "--tls-ca", "", "PEM CA that signs every peer's certificate")
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles:
+    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -186,6 +199,7 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add_key_flags(p, "require `Authorization: Bearer KEY` on the API ('': no auth)")
     add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
     _add_keepalive(p)
+    add_tls_flags(p)
     add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
 
 

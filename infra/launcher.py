@@ -16,14 +16,17 @@ non-zero when any child died on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,7 +36,10 @@ from ferry.infra.ports import free_port, listens
 from ferry.infra.redis_server import redis_answers, redis_command, start_redis
 from ferry.infra.restarts import Backoff, RestartPolicy
 from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.common import tls
+from ferry.services.common.channels import open_blocking_channel
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
+from ferry.services.common.tls import TlsFiles
 
 WORKER_ROLES = ("prefill", "decode", "aggregated")
 # -P: the working directory is not put on a child's sys.path; a checkout's top-level folders
@@ -75,8 +81,9 @@ class ClusterSpec:
     schedulers: int = 1  # replicas; the gateway spreads requests over them
     host: str = "127.0.0.1"
     scheduler_port: int = 50052  # the first scheduler's; 0: any free port (others: any)
-    gateway_port: int = 8000  # the OpenAI REST API; 0: no gateway
-    grpc_port: int = 50051  # the gateway's public gRPC API
+    gateway: bool = True  # the OpenAI REST API and the public gRPC API (False: none)
+    gateway_port: int = 8000  # the OpenAI REST API; 0: any free port
+    grpc_port: int = 50051  # the gateway's public gRPC API; 0: any free port
     redis_url: str = ""  # "": start a private redis-server
     cluster: str = "default"
     startup_timeout_s: float = 180.0
@@ -85,6 +92,8 @@ class ClusterSpec:
     # role -> environment variables of its own: secrets (FERRY_API_KEY) go here, not in argv,
     # which any user of the host can read
     serve_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    tls: TlsFiles = field(default_factory=TlsFiles)  # every child's --tls-*, and ours
+    throwaway_tls: bool = False  # --tls: make a CA and certificates for this run (tls above)
 
 
 class StartupFailed(RuntimeError):
@@ -106,6 +115,12 @@ def _exited(child: Child) -> StartupFailed:
 
 class Launcher:
     def __init__(self, spec: ClusterSpec) -> None:
+        if spec.gateway:  # port 0: any free one, as for every other listener
+            spec = dataclasses.replace(
+                spec,
+                gateway_port=spec.gateway_port or free_port(spec.host),
+                grpc_port=spec.grpc_port or free_port(spec.host),
+            )
         self.spec = spec
         self.children: list[Child] = []
         self.units: dict[str, Unit] = {}
@@ -115,7 +130,7 @@ class Launcher:
     def start(self) -> None:
         s = self.spec
         fixed = [("the first scheduler", s.scheduler_port, "--scheduler-port")]
-        if s.gateway_port:
+        if s.gateway:
             fixed += [("the gateway", s.gateway_port, "--port")]
             fixed += [("the gateway's gRPC API", s.grpc_port, "--grpc-port")]
         for what, port, flag in fixed:  # taken: say so before starting anything
@@ -161,9 +176,11 @@ class Launcher:
             self._spawn("scheduler", f"scheduler-{i}", port=s.scheduler_port if i == 0 else 0)
         if max(s.prefill_dep, s.decode_dep) > 1:  # a DEP group: balance its experts live
             self._spawn("eplb", "eplb-0")
+        self._say(f"started {', '.join(c.name for c in self.children)}; the workers load the model")
         self._wait_healthy()
-        if s.gateway_port:
+        if s.gateway:
             self._spawn_gateway()
+            self._say(f"gateway is up ({tls.http_scheme()}://{s.host}:{s.gateway_port})")
 
     def _spawn(
         self, role: str, name: str, port: int = 0, unit: str = "", extra: list[str] | None = None
@@ -185,6 +202,7 @@ class Launcher:
             self.redis_url,
             "--cluster",
             self.spec.cluster,
+            *self.spec.tls.flags(),
             *self.spec.serve_args.get(role, []),
             *(extra or []),
         ]
@@ -213,6 +231,7 @@ class Launcher:
             str(s.grpc_port),
             "--scheduler",
             schedulers,
+            *s.tls.flags(),
             *s.serve_args.get("gateway", []),
         ]
         env = s.serve_env.get("gateway")
@@ -220,7 +239,7 @@ class Launcher:
         address = f"{s.host}:{s.gateway_port}"
         child = Child("gateway", "gateway", address, s.gateway_port, proc, cmd, "gateway", env)
         self._add(child)
-        url = f"http://{child.address}/health"
+        url = f"{tls.http_scheme()}://{child.address}/health"
         deadline = time.monotonic() + s.startup_timeout_s
         while not (_http_ok(url) and listens(proc.pid, s.gateway_port)):
             if proc.poll() is not None:
@@ -233,7 +252,7 @@ class Launcher:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         for child in (c for c in self.children if c.role != "redis"):  # redis answered already
             port = int(child.address.rsplit(":", 1)[1])
-            with grpc.insecure_channel(child.address) as channel:
+            with open_blocking_channel(child.address) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 # SERVING, from our child: not another process that holds the port
                 while not (_serving(stub) and listens(child.proc.pid, port)):
@@ -245,12 +264,13 @@ class Launcher:
                             f"{self.spec.startup_timeout_s:.0f}s"
                         )
                     time.sleep(0.2)
+            self._say(f"{child.name} is up")
         self._wait_scheduler_sees_workers(deadline)
 
     def _wait_scheduler_sees_workers(self, deadline: float) -> None:
         """Ready means servable: the scheduler's view holds every worker we started."""
         for sched in (c for c in self.children if c.role == "scheduler"):
-            with grpc.insecure_channel(sched.address) as channel:
+            with open_blocking_channel(sched.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 ours = {c.name: c.proc.pid for c in self.children if c.role in WORKER_ROLES}
                 seen: dict[str, int] = {}  # worker id -> the pid registered under it
@@ -265,10 +285,14 @@ class Launcher:
     def describe(self) -> str:
         private = any(c.role == "redis" for c in self.children)
         lines = [f"  redis      {self.redis_url}" + ("  (private)" if private else "")]
+        if self.spec.tls.on:
+            lines.append(
+                f"  tls        CA {self.spec.tls.ca} (its clients trust it; mutual inside)"
+            )
         for c in (c for c in self.children if c.role != "redis"):
             if c.role == "gateway":
                 lines.append(
-                    f"  {c.name:<12} http://{c.address}/v1  (OpenAI API; /health, "
+                    f"  {c.name:<12} {tls.http_scheme()}://{c.address}/v1  (OpenAI API; /health, "
                     f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
                     "(ferry.v1.Ferry)"
                 )
@@ -444,17 +468,17 @@ def _healthy(child: Child) -> bool:
     if child.role == "redis":
         return redis_answers(host, port)
     if child.role == "gateway":
-        ok = _http_ok(f"http://{child.address}/health", timeout=0.5)
+        ok = _http_ok(f"{tls.http_scheme()}://{child.address}/health", timeout=0.5)
     else:
-        with grpc.insecure_channel(child.address) as channel:
+        with open_blocking_channel(child.address) as channel:
             ok = _serving(health_pb2_grpc.HealthStub(channel), timeout=0.5)
     return ok and listens(child.proc.pid, port)  # ours, not a process that took its port
 
 
 def _http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            return bool(reply.status == 200)
+        with urllib.request.urlopen(url, timeout=timeout, context=tls.client_ssl_context()) as r:
+            return bool(r.status == 200)
     except (OSError, ValueError):
         return False
 
@@ -468,6 +492,17 @@ def _serving(stub: health_pb2_grpc.HealthStub, timeout: float = 1.0) -> bool:
 
 
 def run(spec: ClusterSpec) -> int:
+    if not spec.throwaway_tls:
+        return _run(spec)
+    # the user's alone (0700), and gone with the cluster
+    with tempfile.TemporaryDirectory(prefix="ferry-tls-") as d:
+        from ferry.infra.certs import throwaway
+
+        return _run(dataclasses.replace(spec, tls=throwaway(Path(d), spec.host)))
+
+
+def _run(spec: ClusterSpec) -> int:
+    tls.configure(spec.tls)  # our health checks show the cluster's certificate too
     launcher = Launcher(spec)
     signal.signal(signal.SIGTERM, launcher.request_stop)
     signal.signal(signal.SIGINT, launcher.request_stop)

@@ -163,7 +163,8 @@ def main() -> None:
         schedulers=2 if by_gateway else 1,
         scheduler_port=free_port(),
         cluster="bench-migration",
-        gateway_port=free_port() if by_gateway else 0,
+        gateway=by_gateway,
+        gateway_port=free_port(),
         grpc_port=free_port(),
         serve_args={
             "prefill": worker,

@@ -107,7 +107,7 @@ def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
         prefill=args.prefill,
         decode=args.decode,
         scheduler_port=free_port(),
-        gateway_port=0,
+        gateway=False,
         cluster="bench",
         serve_args={
             "prefill": [*worker, *threads],

@@ -36,6 +36,7 @@ class Cluster:
     grpc: str = ""  # host:port of the public gRPC API
     pids: dict[str, int] = field(default_factory=dict)  # worker id -> pid (see restarted)
     log: Path | None = None  # stderr of `ferry up` and its children
+    tls_ca: str = ""  # `ferry up --tls`: the CA its services' certificates come from
 
     def read(self, query: Callable[[ClusterState], Awaitable[T]]) -> T:
         """``query`` on a ClusterState of this cluster's Redis (a fresh connection)."""
@@ -205,14 +206,18 @@ def ferry_up(
             assert time.monotonic() < deadline, "ferry up was not ready in time"
         if not redis_url:  # the endpoints follow: "  redis      redis://HOST:PORT/0  (private)"
             redis_url = proc.stdout.readline().split()[1]
+        tls_ca = ""
+        if "--tls" in args:  # then "  tls        CA PATH (...)"
+            tls_ca = proc.stdout.readline().split()[2]
         c = Cluster(
             proc,
             redis_url,
             f"127.0.0.1:{port}",
             cluster,
-            f"http://127.0.0.1:{http}",
+            f"{'https' if tls_ca else 'http'}://127.0.0.1:{http}",
             f"127.0.0.1:{public}",
             log=log,
+            tls_ca=tls_ca,
         )
         c.pids = {v.record.worker_id: v.record.pid for v in c.views()}
         yield c

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -106,16 +107,22 @@ class _Base:
         timeout: float = 300.0,
         max_retries: int = 2,
         retry_backoff: float = 0.2,
+        tls_ca: str | None = None,
     ) -> None:
         """``model``: the default model (default: the one the server serves); ``timeout``: per
         call, in seconds; ``max_retries``: extra tries of a call that got UNAVAILABLE before
-        any token."""
+        any token; ``tls_ca``: TLS, trusting this PEM CA ("": the system's CAs; None: plain
+        text)."""
         self.address = address
         self.model = model
         self.timeout = timeout
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._credentials = None
+        if tls_ca is not None:
+            ca = Path(tls_ca).read_bytes() if tls_ca else None
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
 
     def _retryable(self, e: grpc.RpcError, attempt: int, streamed: bool) -> bool:
         code = e.code()
@@ -127,7 +134,11 @@ class FerryClient(_Base):
 
     def __init__(self, address: str = "127.0.0.1:50051", **kw: Any) -> None:
         super().__init__(address, **kw)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = (
+            grpc.secure_channel(address, self._credentials)
+            if self._credentials
+            else grpc.insecure_channel(address)
+        )
         self._stub = ferry_pb2_grpc.FerryStub(self._channel)
 
     def generate(
@@ -215,7 +226,11 @@ class AsyncFerryClient(_Base):
 
     def __init__(self, address: str = "127.0.0.1:50051", **kw: Any) -> None:
         super().__init__(address, **kw)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = (
+            grpc.aio.secure_channel(address, self._credentials)
+            if self._credentials
+            else grpc.aio.insecure_channel(address)
+        )
         self._stub = ferry_pb2_grpc.FerryStub(self._channel)
 
     async def generate(

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from ferry.services.common import tls
 from ferry.services.common.listeners import NO_PORT_SHARING
 
 KEEPALIVE_S = 3.0  # the default; --keepalive
@@ -82,7 +83,19 @@ def channel_options() -> list[tuple[str, Any]]:
 
 
 def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, channel_options())
+    """A channel to another service of ours: mutual TLS when this process has it (tls.py)."""
+    creds = tls.channel_credentials()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, channel_options())
+    return grpc.aio.secure_channel(address, creds, channel_options())
+
+
+def open_blocking_channel(address: str) -> grpc.Channel:
+    """The same for a caller without an event loop (`ferry up`'s health checks)."""
+    creds = tls.channel_credentials()
+    if creds is None:
+        return grpc.insecure_channel(address, channel_options())
+    return grpc.secure_channel(address, creds, channel_options())
 
 
 class ChannelPool:

@@ -32,11 +32,22 @@ def check_free(host: str, port: int, what: str, flag: str) -> None:
         listen_tcp(host, port, what, flag).close()
 
 
-def add_port(server: grpc.aio.Server, host: str, port: int, what: str, flag: str) -> int:
-    """``server.add_insecure_port`` (a server made with NO_PORT_SHARING); PortInUse when it
-    cannot bind. Returns the bound port."""
+def add_port(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    what: str,
+    flag: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind ``server`` (made with NO_PORT_SHARING) to ``host:port``, with TLS when given
+    ``credentials`` (tls.server_credentials); PortInUse when it cannot bind. Returns the bound
+    port."""
+    address = f"{host}:{port}"
     try:
-        return server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
     except RuntimeError:  # grpc: "Failed to bind to address ..."
         raise PortInUse(what, host, port, flag) from None
 

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ferry.services.common import tls
 from ferry.services.common.channels import server_options
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, add_port
@@ -57,7 +58,8 @@ def create_server(config: ServiceConfig, service: Service) -> tuple[grpc.aio.Ser
     service.add_to_server(server)
     names = (*service.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = add_port(server, config.host, config.port, f"the {service.role} gRPC server", "--port")
+    what = f"the {service.role} gRPC server"
+    port = add_port(server, config.host, config.port, what, "--port", tls.server_credentials())
     return server, port
 
 

@@ -12,6 +12,7 @@ import grpc
 
 from ferry.protos import kv_transfer_pb2 as pb
 from ferry.protos import kv_transfer_pb2_grpc as pb_grpc
+from ferry.services.common import tls
 from ferry.services.common.channels import ChannelPool, server_options
 from ferry.services.common.listeners import add_port
 from ferry.services.kv_transfer.handle import LeaseNotFound, TransferError
@@ -75,7 +76,8 @@ class GrpcTransport(KvTransport):
     async def serve(self, exporter: KvExporter, host: str = "127.0.0.1", port: int = 0) -> int:
         self._server = grpc.aio.server(options=server_options())
         pb_grpc.add_KvTransferServicer_to_server(_Servicer(exporter, self), self._server)
-        bound = add_port(self._server, host, port, "the KV transfer server", "--kv-port")
+        what, creds = "the KV transfer server", tls.server_credentials()
+        bound = add_port(self._server, host, port, what, "--kv-port", creds)
         await self._server.start()
         return bound
 

@@ -116,6 +116,14 @@ def test_the_control_plane_runs_without_torch(cluster_a: Cluster) -> None:
     assert all(torch_loaded(pid) for pid in roles["prefill"] + roles["decode"])
 
 
+def test_ferry_up_says_each_service_is_up_as_it_starts(cluster_a: Cluster) -> None:
+    """`make run` is not silent while the workers load the model: each service's start shows."""
+    assert cluster_a.said("started prefill-0, decode-0, decode-1, scheduler-0; the workers load")
+    for name in ("prefill-0", "decode-0", "decode-1", "scheduler-0"):
+        assert cluster_a.said(f"{name} is up"), name
+    assert cluster_a.said(f"gateway is up ({cluster_a.gateway})")
+
+
 def test_a_second_cluster_on_the_same_ports_exits_2_and_the_first_serves_on(
     cluster_a: Cluster,
 ) -> None:
@@ -125,7 +133,7 @@ def test_a_second_cluster_on_the_same_ports_exits_2_and_the_first_serves_on(
     started = time.monotonic()
     up = [sys.executable, "-P", "-m", "ferry.infra.cli", "up", "--cluster", "second"]
     second = subprocess.run(
-        [*up, "--scheduler-port", str(port), "--port", "0"],
+        [*up, "--scheduler-port", str(port), "--no-gateway"],
         capture_output=True,
         text=True,
         timeout=60,

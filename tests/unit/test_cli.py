@@ -240,3 +240,30 @@ def test_serve_refuses_a_keepalive_below_a_second_as_a_usage_error() -> None:
     run = _ferry("serve", "scheduler", "--keepalive", "0.5", "--port", str(free_port()))
     assert run.returncode == 2
     assert "ferry serve scheduler: keepalive 0.5 s: at least 1 s" in run.stderr
+
+
+def test_port_0_is_any_free_port_and_no_gateway_is_a_flag_of_its_own() -> None:
+    from ferry.infra.cli import build_parser, cluster_spec
+    from ferry.infra.launcher import Launcher
+
+    spec = cluster_spec(build_parser().parse_args(["up", "--port", "0", "--grpc-port", "0"]))
+    ports = Launcher(spec).spec
+    assert ports.gateway and ports.gateway_port > 0 and ports.grpc_port > 0
+    assert not cluster_spec(build_parser().parse_args(["up", "--no-gateway"])).gateway
+
+
+def test_tls_flags_go_together_and_reach_every_service(tmp_path: Path) -> None:
+    from ferry.infra import certs
+    from ferry.infra.cli import build_parser, cluster_spec
+
+    files = certs.throwaway(tmp_path, "127.0.0.1")
+    assert (tmp_path / "cluster.key").stat().st_mode & 0o077 == 0
+    run = _ferry("serve", "scheduler", "--tls-cert", files.cert, "--port", str(free_port()))
+    assert run.returncode == 2, run.stderr
+    assert "--tls-cert, --tls-key and --tls-ca go together: give --tls-key, --tls-ca" in run.stderr
+    run = _ferry("serve", "gateway", *files.flags()[:-1], str(tmp_path / "missing.pem"))
+    assert run.returncode == 2 and "missing.pem: no such file, or not readable" in run.stderr
+    spec = cluster_spec(build_parser().parse_args(["up", *files.flags()]))
+    assert spec.tls == files and not spec.throwaway_tls
+    with pytest.raises(ValueError, match="--tls makes its own certificates"):
+        cluster_spec(build_parser().parse_args(["up", "--tls", *files.flags()]))

@@ -4,15 +4,20 @@ in this process with no scheduler behind it (nothing here should reach one)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from fastapi.testclient import TestClient
 
 from ferry.gateway import metrics
 from ferry.gateway.app import create_app
+from ferry.gateway.backend import Backend
 from ferry.gateway.config import GatewayConfig
+from ferry.gateway.grpc_api import start_grpc
+from ferry.protos import ferry_pb2
 
 JSON = {"content-type": "application/json"}
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
@@ -162,3 +167,45 @@ def test_with_a_key_every_route_but_health_needs_it() -> None:
     with TestClient(create_app(locked), raise_server_exceptions=False) as c:
         assert error_of(c.get("/metrics"), 401)["code"] == "invalid_api_key"
         assert c.get("/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_the_openapi_schema_documents_the_error_shape(client: TestClient) -> None:
+    """Every route's 4xx and 5xx are ErrorBody (schemathesis checks answers against it), and
+    no route claims FastAPI's 422, which the gateway never sends."""
+    schema = client.get("/openapi.json").json()
+    error = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            responses = op["responses"]
+            assert "422" not in responses, (method, path)
+            for status in ("4XX", "5XX"):
+                body = responses[status]["content"]["application/json"]["schema"]
+                assert body == {"$ref": "#/components/schemas/ErrorBody"}, (method, path)
+
+
+@pytest.mark.parametrize("method", ["Generate", "ListModels"])
+def test_grpc_request_bytes_that_do_not_parse_are_invalid_argument(method: str) -> None:
+    """Not UNKNOWN, grpc's answer when a request's deserializer raises (found by tests/fuzz);
+    a request that parses still reaches its method."""
+
+    async def calls() -> tuple[grpc.aio.AioRpcError, bytes]:
+        config = GatewayConfig(model="tiny", schedulers=("127.0.0.1:9",), scheduler_wait_s=0.1)
+        backend = Backend(config)
+        server, port = await start_grpc(backend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                send = channel.unary_stream if method == "Generate" else channel.unary_unary
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    call = send(f"/ferry.v1.Ferry/{method}")(b"\x00", timeout=10)
+                    _ = [r async for r in call] if method == "Generate" else await call
+                models = await channel.unary_unary("/ferry.v1.Ferry/ListModels")(b"", timeout=10)
+                return refused.value, models
+        finally:
+            await server.stop(None)
+            await backend.close()
+
+    refused, models = asyncio.run(calls())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
+    assert "is not a ferry.v1." in (refused.details() or ""), refused
+    assert ferry_pb2.ListModelsReply.FromString(models).models[0].id == "tiny"
