@@ -160,6 +160,20 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a checkpoint's config.json (DeepSeek's or transformers' spelling)."""
         model_type = d.get("model_type")
+        if model_type == "deepseek_v41":
+            raise ConfigError(
+                f"{source}: DeepSeek-V4.1 (model_type deepseek_v41) is not served: it is a "
+                "different architecture from V4 (encoder-decoder layers, KV shared across layers, "
+                "n-gram tables) and no installable transformers implements it to check it against"
+            )
+        if model_type == "deepseek_v4":
+            from ferry.services.engine.model.config_v4 import V4ModelConfig
+
+            V4ModelConfig.from_hf_dict(d, source)  # a config it cannot read says why first
+            raise ConfigError(
+                f"{source}: DeepSeek-V4 (model_type deepseek_v4): Ferry reads its config "
+                "(V4ModelConfig) but does not run the model yet; it serves deepseek_v3"
+            )
         if model_type != "deepseek_v3":
             raise ConfigError(
                 f"{source}: unsupported model_type {model_type!r}; Ferry runs 'deepseek_v3'"
