@@ -97,8 +97,11 @@ def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-style e4m3 weight plus weight_scale_inv, one scale per block x block tile."""
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: int = 128, e8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-style e4m3 weight plus its scale, one per block x block tile: float32
+    (V3's weight_scale_inv) or, with ``e8m0``, a power of two stored as E8M0 (V4's .scale)."""
     rows, cols = w.shape
     nr, nc = math.ceil(rows / block), math.ceil(cols / block)
     scale = torch.empty(nr, nc)
@@ -107,11 +110,27 @@ def quantize_fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
         for j in range(nc):
             tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
             s = float(tile.abs().max().clamp(min=1e-12)) / 448.0
+            s = 2.0 ** math.ceil(math.log2(s)) if e8m0 else s  # rounded up: nothing overflows
             scale[i, j] = s
             q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s).to(
                 torch.float8_e4m3fn
             )
-    return q, scale
+    return q, (scale.to(torch.float8_e8m0fnu) if e8m0 else scale)
+
+
+def quantize_fp4_blocks(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4-style FP4 weight: e2m1 codes two a byte (the even index in the low nibble)
+    [rows, cols / 2] uint8, and one E8M0 scale per ``block`` values of a row (a power of two,
+    rounded up so that the block's largest value fits 6.0)."""
+    rows, cols = w.shape
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    amax = torch.nn.functional.pad(w.abs(), (0, -cols % block)).view(rows, -1, block).amax(-1)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-12) / 6.0)))
+    x = w / scale.repeat_interleave(block, 1)[:, :cols]
+    code = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) | ((x < 0).long() << 3)
+    pairs = code.view(rows, cols // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return packed, scale.to(torch.float8_e8m0fnu)
 
 
 def rewrite_config(path: Path, **changes: Any) -> None:

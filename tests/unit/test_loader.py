@@ -12,7 +12,13 @@ from safetensors.torch import load_file, save_file
 
 from ferry.services.engine.model import LoaderError, load_model, prompt_logits
 from ferry.services.engine.model.loader import INDEX_FILE
-from tests.helpers import make_hf_checkpoint, quantize_fp8_blocks, rel_err, rewrite_config
+from tests.helpers import (
+    make_hf_checkpoint,
+    quantize_fp4_blocks,
+    quantize_fp8_blocks,
+    rel_err,
+    rewrite_config,
+)
 
 IDS = list(range(0, 384, 7))
 
@@ -45,7 +51,9 @@ def test_sharded_checkpoint(tmp_path: Path, ref_logits: torch.Tensor) -> None:
     torch.testing.assert_close(prompt_logits(load_model(path), IDS), ref_logits, rtol=0, atol=0)
 
 
-def test_fp8_block_quantized_matches_dequantized(tmp_path: Path) -> None:
+@pytest.mark.parametrize("e8m0", [False, True], ids=["scale_inv", "e8m0_scale"])
+def test_fp8_block_quantized_matches_dequantized(tmp_path: Path, e8m0: bool) -> None:
+    """FP8 weights with V3's float32 `_scale_inv` or V4's E8M0 `.scale`."""
     # hidden 160 and 96-wide MLPs leave partial 128x128 blocks at the edges.
     src = make_hf_checkpoint(
         tmp_path / "src", seed=5, hidden_size=160, intermediate_size=200, q_lora_rank=136
@@ -55,14 +63,11 @@ def test_fp8_block_quantized_matches_dequantized(tmp_path: Path) -> None:
     dequant: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if t.dim() == 2 and "proj" in name:  # linear layers; norms, router, embeddings stay
-            q, scale = quantize_fp8_blocks(t)
-            fp8[name], fp8[name + "_scale_inv"] = q, scale
-            dequant[name] = (
-                q.float()
-                * scale.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[
-                    :, : t.shape[1]
-                ]
-            )
+            q, scale = quantize_fp8_blocks(t, e8m0=e8m0)
+            scale_name = name.removesuffix(".weight") + ".scale" if e8m0 else name + "_scale_inv"
+            fp8[name], fp8[scale_name] = q, scale
+            tiles = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+            dequant[name] = q.float() * tiles[: t.shape[0], : t.shape[1]]
         else:
             fp8[name] = dequant[name] = t
     fp8_dir, deq_dir = _copy(src, tmp_path / "fp8"), _copy(src, tmp_path / "deq")
@@ -81,6 +86,35 @@ def test_fp8_block_quantized_matches_dequantized(tmp_path: Path) -> None:
     b = prompt_logits(load_model(deq_dir), IDS)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # and the quantization really happened: the result differs from the unquantized model
+    assert rel_err(a, prompt_logits(load_model(src), IDS)) > 1e-4
+
+
+def test_fp4_experts_with_e8m0_scales_match_dequantized(tmp_path: Path) -> None:
+    """Routed experts in FP4 (e2m1, two a byte) with an E8M0 `.scale` per 32 values, as
+    DeepSeek-V4 ships them; partial blocks at the rows' ends (hidden 80, experts 48 wide)."""
+    src = make_hf_checkpoint(tmp_path / "src", seed=6, hidden_size=80, moe_intermediate_size=48)
+    state = load_file(str(src / "model.safetensors"))
+    fp4: dict[str, torch.Tensor] = {}
+    dequant: dict[str, torch.Tensor] = {}
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    table = torch.cat([table, -table])
+    for name, t in state.items():
+        if ".mlp.experts." not in name:
+            fp4[name] = dequant[name] = t
+            continue
+        packed, scale = quantize_fp4_blocks(t)
+        fp4[name], fp4[name.removesuffix(".weight") + ".scale"] = packed, scale
+        codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(t.shape).long()
+        dequant[name] = table[codes] * scale.float().repeat_interleave(32, 1)[:, : t.shape[1]]
+        # within the format's error: half the widest step (2, between 4 and 6) of its scale
+        step = scale.float().repeat_interleave(32, 1)[:, : t.shape[1]]
+        assert bool(((dequant[name] - t).abs() <= step).all()), name
+    assert any(".scale" in n for n in fp4)
+    fp4_dir, deq_dir = _copy(src, tmp_path / "fp4"), _copy(src, tmp_path / "deq")
+    save_file(fp4, str(fp4_dir / "model.safetensors"))
+    save_file(dequant, str(deq_dir / "model.safetensors"))
+    a = prompt_logits(load_model(fp4_dir), IDS)
+    torch.testing.assert_close(a, prompt_logits(load_model(deq_dir), IDS), rtol=0, atol=1e-6)
     assert rel_err(a, prompt_logits(load_model(src), IDS)) > 1e-4
 
 
@@ -165,5 +199,8 @@ def test_fp8_without_scale(tmp_path: Path, ckpt: Path) -> None:
     path = _copy(ckpt, tmp_path)
     name = "model.layers.0.self_attn.o_proj.weight"
     _edit_state(path, lambda s: s.__setitem__(name, s[name].to(torch.float8_e4m3fn)))
-    with pytest.raises(LoaderError, match=f"FP8 tensor '{name}' has no '{name}_scale_inv'"):
+    scale = name.removesuffix(".weight") + ".scale"
+    with pytest.raises(
+        LoaderError, match=f"FP8 tensor '{name}' has no '{name}_scale_inv' or '{scale}'"
+    ):
         load_model(path)

@@ -26,8 +26,13 @@ from ferry.services.engine.model.presets import PRESETS, Preset
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's FP8 scales: float32, beside the weight's name
+E8M0_SCALE = ".scale"  # DeepSeek-V4's: `X.scale` in E8M0 (powers of two) for `X.weight`
 FP8_DTYPES = (torch.float8_e4m3fn,)
+# FP4 e2m1, two per byte (the even index in the low nibble), as DeepSeek-V4's routed experts
+FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+FP4_BLOCK = 32  # values per E8M0 scale, along a row
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; bit 3 is the sign
 
 
 class LoaderError(ValueError):
@@ -127,12 +132,13 @@ class _Targets:
 def dequantize_fp8(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str, file: str
 ) -> torch.Tensor:
-    """weight [rows, cols] e4m3 times its per-block scale [ceil(rows/b0), ceil(cols/b1)]."""
+    """weight [rows, cols] e4m3 times its per-block scale [ceil(rows/b0), ceil(cols/b1)]
+    (float32 or E8M0: both multiply); ``name``: the scale's, for errors."""
     rows, cols = weight.shape
     want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     if tuple(scale_inv.shape) != want:
         raise LoaderError(
-            f"{file}: '{name}{SCALE_SUFFIX}' has shape {list(scale_inv.shape)}, "
+            f"{file}: '{name}' has shape {list(scale_inv.shape)}, "
             f"expected {list(want)} for {block[0]}x{block[1]} blocks"
         )
     scale = (
@@ -141,6 +147,23 @@ def dequantize_fp8(
         .repeat_interleave(block[1], 1)[:, :cols]
     )
     return weight.float() * scale
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str, file: str) -> torch.Tensor:
+    """packed [rows, cols / 2] (two e2m1 codes a byte) times one E8M0 scale per 32 values
+    [rows, cols / 32] -> float32 [rows, cols]; ``name``: the scale's, for errors."""
+    rows, half = packed.shape
+    cols = 2 * half
+    if tuple(scale.shape) != (rows, math.ceil(cols / FP4_BLOCK)):
+        raise LoaderError(
+            f"{file}: '{name}' has shape {list(scale.shape)}, expected "
+            f"[{rows}, {math.ceil(cols / FP4_BLOCK)}] for FP4 in blocks of {FP4_BLOCK}"
+        )
+    codes = packed.view(torch.uint8).to(torch.int64)
+    codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(rows, cols)  # low nibble first
+    table = torch.tensor([*E2M1, *(-v for v in E2M1)])
+    tiles = scale.float().repeat_interleave(FP4_BLOCK, 1)[:, :cols]
+    return table[codes] * tiles
 
 
 def _shard_map(path: Path) -> dict[str, str]:
@@ -177,18 +200,31 @@ def _read_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.
             tensor: torch.Tensor = handles[shard].get_tensor(name)
             return tensor
 
+        scales = {s for n in weight_map for s in _scale_names(n) if s in weight_map}
         for name in sorted(weight_map, key=lambda n: (weight_map[n], n)):
-            if name.endswith(SCALE_SUFFIX) or is_ignored(name, config):
+            if name in scales or is_ignored(name, config):
                 continue
             tensor, file = get(name), weight_map[name]
-            if tensor.dtype in FP8_DTYPES:
-                scale_name = name + SCALE_SUFFIX
-                if scale_name not in weight_map:
-                    raise LoaderError(f"{file}: FP8 tensor '{name}' has no '{scale_name}'")
-                tensor = dequantize_fp8(
-                    tensor, get(scale_name), config.fp8_block_size or (128, 128), name, file
-                )
+            scale = name.removesuffix(".weight") + E8M0_SCALE
+            if tensor.dtype in FP4_DTYPES and name.endswith(".weight") and scale in weight_map:
+                tensor = dequantize_fp4(tensor, get(scale), scale, file)
+            elif tensor.dtype in FP8_DTYPES:
+                found = [s for s in _scale_names(name) if s in weight_map]
+                if not found:
+                    want = " or ".join(f"'{s}'" for s in _scale_names(name))
+                    raise LoaderError(f"{file}: FP8 tensor '{name}' has no {want}")
+                block = config.fp8_block_size or (128, 128)
+                tensor = dequantize_fp8(tensor, get(found[0]), block, found[0], file)
             yield name, tensor, file
+
+
+def _scale_names(name: str) -> list[str]:
+    """Where an FP8 weight's scale may be: ``X_scale_inv``, or ``X.scale`` for ``X.weight``
+    (a ``.scale`` without a ``.weight`` beside it is a tensor of its own)."""
+    names = [name + SCALE_SUFFIX]
+    if name.endswith(".weight"):
+        names.append(name.removesuffix(".weight") + E8M0_SCALE)
+    return names
 
 
 def load_weights(
