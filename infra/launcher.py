@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferry.infra.children import die_with_parent
-from ferry.infra.ports import free_port, listens
+from ferry.infra.ports import free_port, listens, reserve
 from ferry.infra.redis_server import redis_answers, redis_command, start_redis
 from ferry.infra.restarts import Backoff, RestartPolicy
 from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
@@ -122,6 +122,9 @@ class Launcher:
                 grpc_port=spec.grpc_port or free_port(spec.host),
             )
         self.spec = spec
+        # its fixed ports are bound late (the gateway's once the workers serve): no child may
+        # be given one meanwhile
+        reserve(spec.scheduler_port, spec.gateway_port, spec.grpc_port)
         self.children: list[Child] = []
         self.units: dict[str, Unit] = {}
         self.redis_url = spec.redis_url

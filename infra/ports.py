@@ -62,6 +62,13 @@ def listens(pid: int, port: int) -> bool:
     return False
 
 
+def reserve(*ports: int) -> None:
+    """Never hand out ``ports``: they are given to a process that binds them later (`ferry up`'s
+    gateway, bound only once the workers serve)."""
+    with _lock:
+        _given.update(p for p in ports if p > 0)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now, not handed out before by this process."""
     low, _ = ephemeral_range()

@@ -36,3 +36,22 @@ def test_no_room_below_the_range_falls_back_to_the_kernel(monkeypatch: pytest.Mo
     picked = {ports.free_port() for _ in range(10)}
     assert len(picked) == 10
     assert all(p >= ports.PICK_FLOOR + 10 for p in picked)
+
+
+def test_ferry_ups_fixed_ports_are_never_handed_to_its_children(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway binds its port only once the workers serve: a worker's port picked meanwhile
+    must not be that one (a gateway that then exits 2 was seen in CI)."""
+    from ferry.infra.launcher import ClusterSpec, Launcher
+
+    free = (
+        p
+        for p in range(ports.PICK_FLOOR, 30000)
+        if p not in ports._given and ports._bindable("127.0.0.1", p)
+    )
+    gateway, grpc_api, scheduler, spare = next(free), next(free), next(free), next(free)
+    Launcher(ClusterSpec(gateway_port=gateway, grpc_port=grpc_api, scheduler_port=scheduler))
+    tries = iter([gateway, grpc_api, scheduler, spare])
+    monkeypatch.setattr(ports.random, "randrange", lambda *_: next(tries))
+    assert ports.free_port() == spare
