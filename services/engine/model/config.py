@@ -227,7 +227,7 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 num_nextn_predict_layers=d.get("num_nextn_predict_layers") or 0,
-                fp8_block_size=_read_fp8(d, source),
+                fp8_block_size=read_fp8_block(d, source),
                 source=source,
             )
         except KeyError as e:
@@ -313,7 +313,8 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _read_fp8(d: dict[str, Any], source: str) -> tuple[int, int] | None:
+def read_fp8_block(d: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """The FP8 block of a config's quantization_config (None: not quantized); V3's and V4's."""
     q = d.get("quantization_config")
     if not q:
         return None

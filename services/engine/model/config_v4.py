@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferry.services.engine.model.config import ConfigError, RopeScaling
+from ferry.services.engine.model.config import ConfigError, RopeScaling, read_fp8_block
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # an entry every csa_rate tokens, chosen by the indexer
@@ -212,7 +212,7 @@ class V4ModelConfig:
             bos_token_id=d.get("bos_token_id", 0),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             num_nextn_predict_layers=d.get("num_nextn_predict_layers") or 0,
-            fp8_block_size=_read_fp8_block(quant, source),
+            fp8_block_size=read_fp8_block(d, source),
             expert_dtype=quant.get("expert_dtype") or d.get("expert_dtype") or "",
             source=source,
         )
@@ -366,12 +366,3 @@ def _read_ropes(d: dict[str, Any]) -> dict[str, Any]:
         "compress_rope_theta": compress_theta,
         "compress_rope_scaling": scaling,
     }
-
-
-def _read_fp8_block(quant: dict[str, Any], source: str) -> tuple[int, int] | None:
-    if not quant:
-        return None
-    if quant.get("quant_method") != "fp8":
-        raise ConfigError(f"{source}: unsupported quantization {quant.get('quant_method')!r}")
-    block = quant.get("weight_block_size") or [128, 128]
-    return int(block[0]), int(block[1])
