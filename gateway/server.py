@@ -3,9 +3,6 @@ SIGTERM / SIGINT stop both gracefully: uvicorn finishes its requests, then gRPC 
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
 import uvicorn
 
 from ferry.gateway.app import create_app
@@ -13,7 +10,7 @@ from ferry.gateway.backend import Backend
 from ferry.gateway.config import GatewayConfig
 from ferry.gateway.grpc_api import start_grpc
 from ferry.services.common import tls
-from ferry.services.common.listeners import USAGE_ERROR, PortInUse, listen_tcp
+from ferry.services.common.listeners import listen_tcp, run_serving
 from ferry.services.common.log import configure_logging, get_logger
 
 log = get_logger(__name__)
@@ -67,10 +64,4 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
 
 def main(config: GatewayConfig, log_level: str = "info") -> int:
     configure_logging("gateway", f"gateway-{config.port}", log_level)
-    try:
-        asyncio.run(serve(config, log_level))
-    except PortInUse as e:
-        log.error("port_in_use", error=str(e))
-        print(f"ferry serve gateway: {e}", file=sys.stderr)
-        return USAGE_ERROR
-    return 0
+    return run_serving(serve(config, log_level), "gateway")

@@ -6,11 +6,18 @@ restart a child that exits 2)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
+import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
+
+from ferry.services.common.log import get_logger
+
+log = get_logger(__name__)
 
 USAGE_ERROR = 2  # the exit status of a process that cannot run as configured
 NO_PORT_SHARING: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
@@ -66,3 +73,15 @@ def listen_tcp(host: str, port: int, what: str, flag: str) -> socket.socket:
             raise PortInUse(what, host, port, flag) from None
         raise
     return sock
+
+
+def run_serving(main: Coroutine[Any, Any, None], role: str) -> int:
+    """Run a server's ``main`` to its end: 0, or USAGE_ERROR when a port it needs is taken
+    (said on stderr, as `ferry serve ROLE: ...`)."""
+    try:
+        asyncio.run(main)
+    except PortInUse as e:
+        log.error("port_in_use", error=str(e))
+        print(f"ferry serve {role}: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from typing import NoReturn
 
 import grpc
@@ -20,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from ferry.services.common import tls
 from ferry.services.common.channels import server_options
 from ferry.services.common.config import ServiceConfig
-from ferry.services.common.listeners import USAGE_ERROR, PortInUse, add_port
+from ferry.services.common.listeners import add_port, run_serving
 from ferry.services.common.log import get_logger
 from ferry.services.common.metrics_http import start_metrics_server
 
@@ -93,13 +92,7 @@ async def serve(config: ServiceConfig, service: Service, stop: asyncio.Event | N
 
 
 def main(config: ServiceConfig, service: Service) -> int:
-    try:
-        asyncio.run(serve(config, service))
-    except PortInUse as e:
-        log.error("port_in_use", error=str(e))
-        print(f"ferry serve {service.role}: {e}", file=sys.stderr)
-        return USAGE_ERROR
-    return service.exit_code
+    return run_serving(serve(config, service), service.role) or service.exit_code
 
 
 async def abort_with(
