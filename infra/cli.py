@@ -176,10 +176,18 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         _check_serve_flags(role, serve_args[role], f"--worker-args / --{role}-args")
     for role in ("gateway", "scheduler", "eplb"):
         _check_serve_flags(role, serve_args[role], "flags")
+    aggregated = args.aggregated
+    if not aggregated and args.prefill is None and args.decode is None and _keeps_state(args):
+        aggregated = 1
+        print(
+            "ferry up: DeepSeek-V4 runs aggregated (one engine prefills and decodes): "
+            "prefill/decode hand-offs do not carry its per-request state yet",
+            file=sys.stderr,
+        )
     return ClusterSpec(
-        prefill=_pd_count(args.prefill, args.aggregated),
-        decode=_pd_count(args.decode, args.aggregated),
-        aggregated=args.aggregated,
+        prefill=_pd_count(args.prefill, aggregated),
+        decode=_pd_count(args.decode, aggregated),
+        aggregated=aggregated,
         prefill_dep=args.prefill_dep,
         decode_dep=args.decode_dep,
         schedulers=args.schedulers,
@@ -211,6 +219,23 @@ def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
         _role_config(args)
     except ValueError as e:
         raise ValueError(f"{source}: `ferry serve {role}` would refuse them: {e}") from None
+
+
+def _keeps_state(args: argparse.Namespace) -> bool:
+    """Whether the model keeps per-request state beside its KV blocks (DeepSeek-V4); a model
+    that cannot be read is left to the workers to refuse, with their message."""
+    import json
+    from pathlib import Path
+
+    from ferry.services.engine.model.config_v4 import config_from_hf_dict
+
+    if args.model in PRESETS:
+        return PRESETS[args.model].config.model_type == "deepseek_v4"
+    try:
+        raw = json.loads((Path(args.model) / "config.json").read_text())
+        return config_from_hf_dict(raw).model_type == "deepseek_v4"
+    except (OSError, ValueError):
+        return False
 
 
 def _pd_count(given: int | None, aggregated: int) -> int:
@@ -257,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the EPLB controller rebalances a group every N steps (0: only on request)",
     )
     flags.add(up, "--router-skew", 0.0, "test knob: skew expert load on random weights")
-    flags.add(up, "--model", "tiny", "preset (tiny, small) or HF checkpoint directory")
+    flags.add(
+        up, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"
+    )
     flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
     flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
     flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")

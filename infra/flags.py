@@ -88,9 +88,15 @@ def tls_files(args: argparse.Namespace) -> TlsFiles:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     d, w = EngineConfig(), WorkerConfig()
-    add(p, "--model", d.model, "preset (tiny, small) or HF checkpoint directory")
+    add(p, "--model", d.model, "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory")
     add(p, "--dtype", d.dtype, "weights and KV cache dtype", choices=list(DTYPES))
-    add(p, "--block-size", d.block_size, "tokens per KV block")
+    add(
+        p,
+        "--block-size",
+        d.block_size,
+        "tokens per KV block (default: the model's: 64, or a multiple of its compression ratios)",
+        type=int,
+    )
     add(p, "--num-kv-blocks", None, "KV cache size in blocks (default: from memory)", type=int)
     add(p, "--kv-cache-memory-bytes", None, "KV cache budget in bytes", type=int)
     add(p, "--max-num-seqs", d.max_num_seqs, "running requests per step")

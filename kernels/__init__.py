@@ -12,9 +12,10 @@ from ferry.kernels import mla_decode as _mla_decode
 from ferry.kernels import mla_prefill as _mla_prefill
 from ferry.kernels import moe_routing as _moe_routing
 from ferry.kernels import rmsnorm as _rmsnorm
+from ferry.kernels import sink_attention as _sink_attention
 from ferry.kernels.dispatch import get_backend, implementations, resolve, set_backend
 
-_REFERENCES = (_fused_moe, _mla_decode, _mla_prefill, _moe_routing, _rmsnorm)
+_REFERENCES = (_fused_moe, _mla_decode, _mla_prefill, _moe_routing, _rmsnorm, _sink_attention)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,6 +38,7 @@ def moe_route(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     fn = resolve("moe_route", router_logits.device)
     weights, ids = fn(
@@ -47,6 +49,7 @@ def moe_route(
         topk_group,
         renormalize,
         routed_scaling_factor,
+        scoring_func,
     )
     return weights, ids
 
@@ -63,9 +66,10 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_slots: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     out: torch.Tensor = resolve("fused_moe", hidden.device)(
-        hidden, w13, w2, topk_weights, topk_slots
+        hidden, w13, w2, topk_weights, topk_slots, swiglu_limit
     )
     return out
 
@@ -90,6 +94,17 @@ def prefill_attention(
     return out
 
 
+def sink_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    bias: torch.Tensor,
+    sinks: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    out: torch.Tensor = resolve("sink_attention", q.device)(q, kv, bias, sinks, softmax_scale)
+    return out
+
+
 __all__ = [
     "add_rms_norm",
     "expert_counts",
@@ -101,4 +116,5 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "set_backend",
+    "sink_attention",
 ]

@@ -1,4 +1,5 @@
-"""Routed experts: SiLU-gated MLPs held in physical slots, applied to the tokens routed to them."""
+"""Routed experts: SiLU-gated MLPs held in physical slots, applied to the tokens routed to them.
+DeepSeek-V4 clamps the gate from above and the up projection both ways (``swiglu_limit``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ def fused_moe_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_slots: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{slot[t, k]}(hidden[t]).
 
     hidden: [num_tokens, hidden]; w13: [num_slots, 2 * inter, hidden] (gate rows, then up rows);
     w2: [num_slots, hidden, inter]; topk_weights: [num_tokens, top_k] float32;
-    topk_slots: [num_tokens, top_k] int64, a slot id per choice, or -1 for "not on this rank".
+    topk_slots: [num_tokens, top_k] int64, a slot id per choice, or -1 for "not on this rank";
+    a slot chosen twice for one token counts twice, each with its own weight.
+    swiglu_limit: None, or L: silu(min(gate, L)) * clamp(up, -L, L).
     """
     num_tokens, top_k = topk_slots.shape
     out = torch.zeros_like(hidden)
@@ -38,6 +42,14 @@ def fused_moe_torch(
         idx = order[start : start + int(counts[slot])]
         tokens = token_of[start : start + int(counts[slot])]
         gate, up = F.linear(hidden[tokens], w13[slot]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[slot])  # [n, hidden]
+        y = F.linear(swiglu(gate, up, swiglu_limit), w2[slot])  # [n, hidden]
         out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(out.dtype))
     return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up, with DeepSeek-V4's clamp when ``limit`` is set."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up

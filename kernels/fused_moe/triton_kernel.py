@@ -136,12 +136,14 @@ def _gate_up_kernel(
     w_stride_n,
     w_stride_k,
     act_stride,
+    swiglu_limit,
     TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """act[c, n] = silu(x[t]·gate[s, n]) * (x[t]·up[s, n]) for the BLOCK_M sorted choices
+    """act[c, n] = silu(x[t]·gate[s, n]) * (x[t]·up[s, n]) (gate <= L, |up| <= L if HAS_LIMIT) for the BLOCK_M sorted choices
     c = t * TOP_K + k of row block pid(0), all on slot s, and BLOCK_N columns n.
     x: [tokens, hidden]; w13: [slots, 2 * inter, hidden] (gate rows, then up rows);
     act: [num_choices, inter], rows of padding or of other ranks' choices untouched."""
@@ -172,6 +174,9 @@ def _gate_up_kernel(
         up = mma(x, tl.load(gate_ptrs + up_offset, mask=w_mask, other=0.0), up)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * w_stride_k
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     act = gate * tl.sigmoid(gate) * up
     act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * act_stride + n[None, :]
     tl.store(
@@ -304,6 +309,7 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_slots: torch.Tensor,
+    swiglu_limit: float | None = None,
     *,
     blocks: MoEBlocks | None = None,
 ) -> torch.Tensor:
@@ -321,13 +327,18 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     blocks = blocks or MoEBlocks.default(slots.numel(), num_slots)
     order = sort_by_slot(slots, num_slots, blocks)
-    act = _gate_up(x, w13, order, top_k, blocks)  # [num_choices, inter]
+    act = _gate_up(x, w13, order, top_k, blocks, swiglu_limit)  # [num_choices, inter]
     y = _down(act, w2, weights, order, blocks)  # [num_choices, hidden]
     return _sum_choices(y, slots, num_tokens, top_k)
 
 
 def _gate_up(
-    x: torch.Tensor, w13: torch.Tensor, order: SortedChoices, top_k: int, blocks: MoEBlocks
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    order: SortedChoices,
+    top_k: int,
+    blocks: MoEBlocks,
+    swiglu_limit: float | None,
 ) -> torch.Tensor:
     num_choices, hidden, inter = x.shape[0] * top_k, x.shape[1], w13.shape[1] // 2
     act = empty((num_choices, inter), x.dtype, x.device)
@@ -344,7 +355,9 @@ def _gate_up(
         x.stride(0),
         *w13.stride(),
         act.stride(0),
+        0.0 if swiglu_limit is None else float(swiglu_limit),
         TOP_K=top_k,
+        HAS_LIMIT=swiglu_limit is not None,
         BLOCK_M=blocks.block_m,
         BLOCK_N=blocks.block_n,
         BLOCK_K=blocks.block_k,

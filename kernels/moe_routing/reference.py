@@ -1,10 +1,24 @@
-"""DeepSeek-V3 routing: sigmoid scores, bias-corrected group-limited top-k, scaled weights."""
+"""DeepSeek routing: scores (V3's sigmoid, V4's sqrt(softplus)), bias-corrected group-limited
+top-k, scaled weights."""
 
 from __future__ import annotations
 
 import torch
 
 from ferry.kernels.dispatch import register
+
+SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")
+
+
+def expert_scores(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Per-expert scores from float32 router logits [num_tokens, num_experts]."""
+    if scoring_func == "sigmoid":
+        return router_logits.sigmoid()
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(router_logits).sqrt()
+    if scoring_func == "softmax":
+        return router_logits.softmax(dim=-1)
+    raise ValueError(f"scoring_func {scoring_func!r}: one of {', '.join(SCORING_FUNCS)}")
 
 
 @register("moe_route", "torch")
@@ -16,15 +30,16 @@ def moe_route_torch(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` logical experts per token.
 
     router_logits: [num_tokens, num_experts] float32. The correction bias only steers *which*
-    experts are chosen; the weights come from the unbiased sigmoid scores. Groups are ranked by the
+    experts are chosen; the weights come from the unbiased scores (``expert_scores``). Groups are ranked by the
     sum of their two best biased scores and only the ``topk_group`` best groups are eligible.
     Returns (topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64).
     """
-    scores = router_logits.sigmoid()
+    scores = expert_scores(router_logits, scoring_func)
     choice = scores if correction_bias is None else scores + correction_bias
     num_tokens, num_experts = choice.shape
     if n_group > 1:

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.dispatch import register
+from ferry.kernels.moe_routing.reference import SCORING_FUNCS
 from ferry.kernels.triton_common import empty, next_pow2
 
 BLOCK_T = 16  # tokens per program
@@ -55,6 +56,7 @@ def _moe_route_kernel(
     TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SCORING: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -75,7 +77,14 @@ def _moe_route_kernel(
         mask=t_mask[:, None] & e_mask[None, :],
         other=0.0,
     )
-    scores = tl.sigmoid(logits)  # [BLOCK_T, BLOCK_E]
+    if SCORING == 0:  # sigmoid
+        scores = tl.sigmoid(logits)  # [BLOCK_T, BLOCK_E]
+    elif SCORING == 1:  # sqrt(softplus), torch's softplus: linear past 20
+        scores = tl.sqrt(tl.where(logits > 20.0, logits, tl.log(1.0 + tl.exp(logits))))
+    else:  # softmax over the experts
+        masked = tl.where(e_mask[None, :], logits, float("-inf"))
+        e = tl.exp(masked - tl.max(masked, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + experts, mask=e_mask, other=0.0)[None, :]
@@ -114,9 +123,12 @@ def moe_route_triton(
     topk_group: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [num_tokens, num_experts] float32 -> (weights [T, top_k] float32,
     ids [T, top_k] int64). See moe_route_torch."""
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"scoring_func {scoring_func!r}: one of {', '.join(SCORING_FUNCS)}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     num_tokens, num_experts = logits.shape
     weights = empty((num_tokens, top_k), torch.float32, logits.device)
@@ -138,6 +150,7 @@ def moe_route_triton(
         TOPK_GROUP=topk_group,
         TOP_K=top_k,
         RENORMALIZE=renormalize,
+        SCORING=SCORING_FUNCS.index(scoring_func),
         BLOCK_T=BLOCK_T,
         BLOCK_E=next_pow2(num_experts),
         BLOCK_G=next_pow2(n_group),

@@ -62,7 +62,7 @@ class EngineInfo:
     block_size: int
     num_kv_blocks: int
     num_layers: int  # of the KV cache
-    kv_dim: int  # values per token per layer in the cache
+    kv_dim: int  # values per token per layer in a one-group cache (V3's latent); 0: several
     num_expert_groups: int  # the model's n_group, which EPLB places experts by
 
 
@@ -86,15 +86,15 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | Engine | None = None) -> None:
         self._engine = engine = config if isinstance(config, Engine) else Engine(config)
-        cache = engine.kv_cache  # [num_layers, num_blocks, block_size, kv_dim]
+        groups = engine.model.cache_spec().groups
         self.info = EngineInfo(
             engine.model_fingerprint,
             engine.config.dtype,
             engine.max_model_len,
             engine.kv.block_size,
             engine.kv.num_blocks,
-            cache.shape[0],
-            cache.shape[3],
+            engine.model.config.num_hidden_layers,
+            groups[0].dim if len(groups) == 1 else 0,
             engine.model.config.n_group,
         )
         self._cv = threading.Condition()

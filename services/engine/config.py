@@ -13,7 +13,9 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 512 << 20
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"  # preset name or HF checkpoint directory
-    block_size: int = 64  # tokens per KV block (FlashMLA's page)
+    # tokens per KV block; None: the model's (64, FlashMLA's page, rounded up to a multiple of
+    # DeepSeek-V4's compression ratios)
+    block_size: int | None = None
     num_kv_blocks: int | None = None  # exact cache size; wins over kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # cache budget; default 512 MiB
     max_num_seqs: int = 256  # running sequences per step
@@ -28,7 +30,7 @@ class EngineConfig:
     router_skew: float = 0.0
 
     def __post_init__(self) -> None:
-        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+        if self.block_size is not None and not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(
                 f"block_size={self.block_size}: must be in {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}"
             )
@@ -45,11 +47,19 @@ class EngineConfig:
         if self.router_skew < 0:
             raise ValueError("router_skew must be >= 0")
 
-    def num_blocks_for(self, bytes_per_block: int) -> int:
-        """Cache size in blocks: ``num_kv_blocks``, else as many as the memory budget holds."""
+    def num_blocks_for(self, bytes_per_block: int, reserved_bytes: int = 0) -> int:
+        """Cache size in blocks: ``num_kv_blocks``, else as many as the memory budget holds
+        after ``reserved_bytes`` (the state slots)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        if reserved_bytes >= budget:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} does not cover the {reserved_bytes} bytes of "
+                f"state slots (one per sequence, max_num_seqs={self.max_num_seqs}): raise the "
+                "budget or lower max_num_seqs"
+            )
+        budget -= reserved_bytes
         blocks = budget // bytes_per_block
         if blocks < 1:
             raise ValueError(

@@ -26,7 +26,7 @@ from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.expert_rebalance import Rebalancer
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.engine.model import DeepseekV3ForCausalLM, ForwardBatch, load_model
+from ferry.services.engine.model import ForwardBatch, MoECausalLM, load_model
 from ferry.services.engine.output_processor import OutputProcessor, make_output
 from ferry.services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
 from ferry.services.engine.sampler import Sampler, token_logprobs
@@ -78,9 +78,7 @@ class Engine:
         only its expert slots, and every step runs in lockstep with the other ranks."""
         self.config = config = config or EngineConfig()
         dtype: torch.dtype = getattr(torch, config.dtype)
-        self.model: DeepseekV3ForCausalLM = load_model(
-            config.model, dtype, config.device, placement
-        )
+        self.model = load_model(config.model, dtype, config.device, placement)
         if config.router_skew:
             self.model.skew_routing(config.router_skew)
         self.ep_group = ep_group
@@ -96,17 +94,23 @@ class Engine:
         self.model.attach_expert_load(self.expert_load)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        bytes_per_block = (
-            mc.num_hidden_layers * config.block_size * mc.kv_cache_dim * dtype.itemsize
+        spec = self.model.cache_spec()
+        self.block_size = spec.block_size(config.block_size)
+        # a state slot per sequence that may run: admission never waits for one
+        num_slots = config.max_num_seqs if spec.rings else 0
+        num_blocks = config.num_blocks_for(
+            spec.bytes_per_block(self.block_size, dtype.itemsize),
+            num_slots * spec.bytes_per_state_slot(dtype.itemsize),
         )
-        num_blocks = config.num_blocks_for(bytes_per_block)
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, config.block_size)
-        self.model_fingerprint = _fingerprint(config, self.model)
+        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size, num_slots)
+        self.model_fingerprint = _fingerprint(config, self.model, self.block_size)
+        # TODO(issue 29, step 3): DeepSeek-V4's prefix hits need the state at the boundary
         self.kv = KVCacheManager(
             num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
+            self.block_size,
+            config.enable_prefix_caching and not spec.rings,
             self.model_fingerprint.encode(),
+            num_slots,
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = mc.eos_token_ids or (
@@ -177,6 +181,11 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if (hand_off or imported is not None) and self.kv.num_state_slots:
+            raise ValueError(
+                "this model keeps per-request state beside its KV blocks (DeepSeek-V4's window "
+                "and compressor rows), which prefill/decode hand-offs do not carry yet"
+            )
         total = self.validate(prompt_token_ids, params)
         spec = params.structured_output
         req = Request(
@@ -315,8 +324,10 @@ class Engine:
             plan.num_new_tokens,
             [r.num_computed_tokens for r in plan.requests],
             [r.block_ids for r in plan.requests],
-            self.config.block_size,
-            device=device,
+            self.block_size,
+            self.model.attention_path,
+            device,
+            [-1 if r.state_slot is None else r.state_slot for r in plan.requests],
         )
         t0 = time.perf_counter()
         hidden = self.model(torch.tensor(input_ids, device=device), batch, self.kv_cache)
@@ -409,7 +420,7 @@ class Engine:
         self.kv.check_integrity(self.requests.values())
 
 
-def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
+def _fingerprint(config: EngineConfig, model: MoECausalLM, block_size: int) -> str:
     """Names the model and cache layout: blocks hashed under one fingerprint are reusable only
     by an engine with the same one."""
     skew = {"router_skew": config.router_skew} if config.router_skew else {}
@@ -417,7 +428,7 @@ def _fingerprint(config: EngineConfig, model: DeepseekV3ForCausalLM) -> str:
         {
             "model": config.model,
             "dtype": config.dtype,
-            "block_size": config.block_size,
+            "block_size": block_size,
             **skew,
             "config": model.config.to_hf_dict(),
         },

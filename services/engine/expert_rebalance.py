@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.layers import MoE
 
 
@@ -87,7 +87,7 @@ class Rebalancer:
     """Applies placement orders to one rank's model, in lockstep with the rest of its group.
     ``submit`` is called from any thread; ``offered`` and ``advance`` from the engine's."""
 
-    model: DeepseekV3ForCausalLM
+    model: MoECausalLM
     group: EPGroup
     layers_per_step: int = 1
     version: int = 0  # of the placement the model runs now (0: the starting one)
@@ -253,7 +253,7 @@ def _moe_layers(model: torch.nn.Module) -> list[MoE]:
     return sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.moe_layer)
 
 
-def set_placement(model: DeepseekV3ForCausalLM, placement: ExpertPlacement) -> None:
+def set_placement(model: MoECausalLM, placement: ExpertPlacement) -> None:
     """Make ``placement`` the map of the model and every MoE layer."""
     model.placement = placement
     for moe in _moe_layers(model):

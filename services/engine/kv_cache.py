@@ -1,7 +1,8 @@
-"""Paged MLA latent cache bookkeeping: a reference-counted block pool with prefix caching.
+"""Paged KV cache bookkeeping: a reference-counted block pool with prefix caching, and the state
+slots of models that keep per-request state (DeepSeek-V4's window and compressor rows).
 
-The cache tensor itself is ``[num_layers, num_blocks, block_size, kv_lora_rank + rope_dim]`` and
-is owned by the engine; this module decides which blocks each request uses. A full block is
+The cache tensors (the groups of ``model/cache_spec.py``) are owned by the engine; this module
+decides which blocks and which state slot each request uses. Every group shares one block table. A full block is
 identified by a chained hash of (parent block's hash, its token ids, a salt naming the model), so
 two requests that share a prefix share its blocks. Blocks no request references stay *cached*
 (findable by hash) until the pool needs them, oldest first (LRU).
@@ -94,8 +95,12 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
+        num_state_slots: int = 0,
     ) -> None:
+        """``num_state_slots`` > 0: every request that runs also holds one state slot."""
         self.pool = BlockPool(num_blocks)
+        self.num_state_slots = num_state_slots
+        self.free_slots = list(range(num_state_slots))
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt or DEFAULT_SALT
@@ -168,6 +173,10 @@ class KVCacheManager:
             reclaim = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
             if new > self.pool.num_free - reclaim:
                 return False
+            if self.num_state_slots and req.state_slot is None:
+                if not self.free_slots:
+                    return False
+                req.state_slot = self.free_slots.pop()
             for block in cached_blocks:
                 self.pool.take_cached(block)
             req.block_ids.extend(cached_blocks)
@@ -192,11 +201,15 @@ class KVCacheManager:
                 self.pool.register(req.block_ids[i], parent)
 
     def free(self, req: Request) -> None:
-        """Drop ``req``'s references, tail first so that its last blocks are evicted first."""
+        """Drop ``req``'s references, tail first so that its last blocks are evicted first, and
+        its state slot."""
         with self.lock:
             self.pool.release(reversed(req.block_ids))
+            if req.state_slot is not None:
+                self.free_slots.append(req.state_slot)
         req.block_ids = []
         req.block_hashes = []
+        req.state_slot = None
 
     # ---- references held outside requests (KV transfer) -----------------------------------
     def hold(self, key: str, block_ids: list[int]) -> None:
@@ -248,7 +261,8 @@ class KVCacheManager:
 
     def check_integrity(self, live: Iterable[Request] = ()) -> None:
         """free + cached + in use == total; reference counts equal what the live requests and
-        the holds (leases, imports) reference."""
+        the holds (leases, imports) reference; every state slot is free or held by one live
+        request, and every request with computed tokens holds one."""
         with self.lock:
             self._check_integrity(list(live))
 
@@ -270,6 +284,7 @@ class KVCacheManager:
             raise AssertionError(
                 f"block {bad}: ref_count {pool.ref_count[bad]}, held {holders[bad]} times"
             )
+        self._check_slots(live)
         in_use = sum(1 for r in pool.ref_count if r > 0)
         unreferenced = {b for b in range(pool.num_blocks) if pool.ref_count[b] == 0}
         if unreferenced != set(pool.free):
@@ -281,6 +296,15 @@ class KVCacheManager:
         for h, b in pool.hash_to_block.items():
             if pool.block_hash[b] != h:
                 raise AssertionError(f"hash index names block {b} for a hash it does not hold")
+
+    def _check_slots(self, live: list[Request]) -> None:
+        held = [r.state_slot for r in live if r.state_slot is not None]
+        if sorted(held + self.free_slots) != list(range(self.num_state_slots)):
+            raise AssertionError(f"state slots: held {sorted(held)}, free {self.free_slots}")
+        if self.num_state_slots:
+            for r in live:
+                if r.num_computed_tokens and r.state_slot is None:
+                    raise AssertionError(f"request {r.request_id} has no state slot")
 
     def usage(self) -> dict[str, int]:
         pool = self.pool

@@ -34,6 +34,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its row of the cache's state rings, while it runs
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_preemptions: int = 0
     arrival: int = 0  # its place in its engine's arrival order (the planner numbers them)

@@ -131,6 +131,7 @@ def deepseek_v3_builds() -> list[Build]:
             TOPK_GROUP=4,
             TOP_K=top_k,
             RENORMALIZE=True,
+            SCORING=0,
             BLOCK_T=routing.BLOCK_T,
             BLOCK_E=experts,
             BLOCK_G=8,
@@ -260,7 +261,9 @@ def _fused_moe_builds(hidden: int, inter: int, experts: int, top_k: int, n: int)
                 w_stride_n=hidden,
                 w_stride_k=1,
                 act_stride=inter,
+                swiglu_limit=10.0,
                 TOP_K=top_k,
+                HAS_LIMIT=False,
                 **common,
             )
         )

@@ -40,6 +40,17 @@ def test_fused_moe(case: tuple[int, int, int, int, int, torch.dtype], blocks: Mo
     assert_matches(out, torch_ref("fused_moe", *args), case[-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_swiglu_limit(dtype: torch.dtype) -> None:
+    """DeepSeek-V4's clamp: large weights push gate and up past the limit."""
+    x, w13, w2, weights, slots = _inputs(12, 32, 16, 5, 3, dtype)
+    w13 = w13 * 20
+    out = triton("fused_moe", x, w13, w2, weights, slots, 1.5, blocks=SMALL)
+    ref = torch_ref("fused_moe", x, w13, w2, weights, slots, 1.5)
+    assert_matches(out, ref, dtype)
+    assert not torch.allclose(ref, torch_ref("fused_moe", x, w13, w2, weights, slots))
+
+
 def test_every_choice_elsewhere_gives_zeros() -> None:
     x, w13, w2, weights, slots = _inputs(5, 16, 16, 3, 2, torch.float32)
     out = triton("fused_moe", x, w13, w2, weights, torch.full_like(slots, -1), blocks=SMALL)

@@ -38,6 +38,19 @@ def test_moe_route(case: tuple[int, int, int, int, int, bool, bool]) -> None:
     assert_matches(weights, ref_weights, torch.float32)
 
 
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax"])
+def test_moe_route_scoring(scoring: str) -> None:
+    """DeepSeek-V4's sqrt(softplus) scores (logits past softplus's linear threshold included)."""
+    gen = generator(11)
+    logits = torch.randn(23, 16, generator=gen) * 12
+    bias = torch.randn(16, generator=gen) * 0.1
+    args = (logits, bias, 6, 1, 1, True, 1.5, scoring)
+    weights, ids = _by_id(*triton("moe_route", *args))
+    ref_weights, ref_ids = _by_id(*torch_ref("moe_route", *args))
+    assert torch.equal(ids, ref_ids)
+    assert_matches(weights, ref_weights, torch.float32)
+
+
 def test_moe_route_no_tokens() -> None:
     weights, ids = triton("moe_route", torch.empty(0, 16), None, 4, 4, 2, True, 1.0)
     assert weights.shape == ids.shape == (0, 4)

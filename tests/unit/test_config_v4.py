@@ -12,8 +12,14 @@ import pytest
 from transformers import DeepseekV4Config
 
 from ferry.services.engine.model.config import ConfigError, ModelConfig
-from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, V4ModelConfig
-from ferry.services.engine.model.loader import LoaderError, read_config
+from ferry.services.engine.model.config_v4 import (
+    CSA,
+    HCA,
+    SLIDING,
+    V4ModelConfig,
+    config_from_hf_dict,
+)
+from ferry.services.engine.model.loader import read_config
 
 # ../shared/deepseek-v4.md's tiny configuration, in transformers' spelling
 TINY: dict[str, Any] = dict(
@@ -196,11 +202,12 @@ def test_a_config_it_cannot_read_says_why(change: dict[str, Any], message: str) 
         V4ModelConfig.from_hf_dict(d, source="cfg")
 
 
-def test_a_v4_checkpoint_is_read_then_refused_and_v41_is_refused(tmp_path: Path) -> None:
+def test_a_v4_checkpoint_reads_as_v4_and_v41_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LEGACY))
-    with pytest.raises(LoaderError, match=r"Ferry reads its config .* but does not run the model"):
-        read_config(tmp_path)
+    assert read_config(tmp_path) == V4ModelConfig.from_hf_dict(LEGACY)
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4: read it with .*V4ModelConfig"):
+        ModelConfig.from_hf_dict(LEGACY)
     with pytest.raises(ConfigError, match="compress_ratios: 16 is neither 0"):
-        ModelConfig.from_hf_dict(LEGACY | {"compress_ratios": [0, 16]})
+        config_from_hf_dict(LEGACY | {"compress_ratios": [0, 16]})
     with pytest.raises(ConfigError, match=r"DeepSeek-V4\.1 .* is not served"):
-        ModelConfig.from_hf_dict({"model_type": "deepseek_v41"})
+        config_from_hf_dict({"model_type": "deepseek_v41"})

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 model runtime: ``load_model`` and ``prompt_logits`` (``api``) are the public
+"""The DeepSeek-V3 and -V4 model runtime: ``load_model`` and ``prompt_logits`` (``api``) are the public
 entry points. Importing the package loads none of its modules (names resolve when first used),
 so that torch-free code can read ``config`` and ``presets``."""
 
@@ -11,8 +11,11 @@ from ferry.services.common.lazy import lazy_exports
 if TYPE_CHECKING:
     from ferry.services.engine.experts import ExpertPlacement
     from ferry.services.engine.model.api import load_model, model_config, prompt_logits
+    from ferry.services.engine.model.causal_lm import MoECausalLM
     from ferry.services.engine.model.config import ConfigError, ModelConfig, RopeScaling
+    from ferry.services.engine.model.config_v4 import V4ModelConfig
     from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+    from ferry.services.engine.model.deepseek_v4 import DeepseekV4ForCausalLM
     from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
     from ferry.services.engine.model.loader import LoaderError, export_preset
     from ferry.services.engine.model.presets import PRESETS
@@ -22,6 +25,9 @@ _EXPORTS = {
     "AttentionPath": "ferry.services.engine.model.forward_batch",
     "ConfigError": "ferry.services.engine.model.config",
     "DeepseekV3ForCausalLM": "ferry.services.engine.model.deepseek_v3",
+    "DeepseekV4ForCausalLM": "ferry.services.engine.model.deepseek_v4",
+    "MoECausalLM": "ferry.services.engine.model.causal_lm",
+    "V4ModelConfig": "ferry.services.engine.model.config_v4",
     "ExpertPlacement": "ferry.services.engine.experts",
     "ForwardBatch": "ferry.services.engine.model.forward_batch",
     "LoaderError": "ferry.services.engine.model.loader",
@@ -40,11 +46,14 @@ __all__ = [
     "AttentionPath",
     "ConfigError",
     "DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM",
     "ExpertPlacement",
     "ForwardBatch",
     "LoaderError",
+    "MoECausalLM",
     "ModelConfig",
     "RopeScaling",
+    "V4ModelConfig",
     "export_preset",
     "load_model",
     "model_config",

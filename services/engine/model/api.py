@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.causal_lm import MoECausalLM
+from ferry.services.engine.model.config_v4 import AnyModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
 from ferry.services.engine.model.loader import (
     LoaderError,
@@ -26,8 +26,9 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
-) -> DeepseekV3ForCausalLM:
-    """A preset name (``tiny``, ``small``) or a HF checkpoint directory."""
+) -> MoECausalLM:
+    """A preset name (``tiny``, ``small``, ``v4-tiny`` ...) or a HF checkpoint directory; the
+    config says which model (DeepSeek-V3 or -V4)."""
     if isinstance(source, str) and source in PRESETS:
         return load_preset(source, dtype, device, placement)
     path = Path(source)
@@ -38,7 +39,7 @@ def load_model(
     return load_checkpoint(path, dtype, device, placement)
 
 
-def model_config(source: str | Path) -> ModelConfig:
+def model_config(source: str | Path) -> AnyModelConfig:
     """The ModelConfig of a preset or a checkpoint directory, without loading weights."""
     if isinstance(source, str) and source in PRESETS:
         return PRESETS[source].config
@@ -47,9 +48,9 @@ def model_config(source: str | Path) -> ModelConfig:
 
 @torch.inference_mode()
 def prompt_logits(
-    model: DeepseekV3ForCausalLM,
+    model: MoECausalLM,
     token_ids: Sequence[int],
-    block_size: int = 64,
+    block_size: int | None = None,
     attention: AttentionPath = "auto",
 ) -> torch.Tensor:
     """Logits for every position of one prompt, [len(token_ids), vocab_size] float32, through the
@@ -57,14 +58,17 @@ def prompt_logits(
     n = len(token_ids)
     if n == 0:
         raise ValueError("prompt_logits needs at least one token")
-    vocab = model.config.vocab_size
+    vocab = model.vocab_size
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    block_size = model.cache_spec().block_size(block_size)  # None: the model's default
     num_blocks = (n + block_size - 1) // block_size
-    cache = model.allocate_kv_cache(num_blocks, block_size)
-    batch = ForwardBatch.build(
-        [n], [0], [list(range(num_blocks))], block_size, attention, model.device
-    )
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
+    if model.attention_path != "auto":  # a model with one path (DeepSeek-V4)
+        attention = model.attention_path
+    cache = model.allocate_kv_cache(num_blocks, block_size, 1)
+    batch = ForwardBatch.build(
+        [n], [0], [list(range(num_blocks))], block_size, attention, model.device, [0]
+    )
     return model.compute_logits(model(ids, batch, cache))

@@ -152,6 +152,10 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
 
+    @property
+    def model_type(self) -> str:
+        return "deepseek_v3"
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -167,12 +171,9 @@ class ModelConfig:
                 "n-gram tables) and no installable transformers implements it to check it against"
             )
         if model_type == "deepseek_v4":
-            from ferry.services.engine.model.config_v4 import V4ModelConfig
-
-            V4ModelConfig.from_hf_dict(d, source)  # a config it cannot read says why first
             raise ConfigError(
-                f"{source}: DeepSeek-V4 (model_type deepseek_v4): Ferry reads its config "
-                "(V4ModelConfig) but does not run the model yet; it serves deepseek_v3"
+                f"{source}: model_type deepseek_v4 is DeepSeek-V4: read it with "
+                "config_v4.config_from_hf_dict (V4ModelConfig), not the DeepSeek-V3 ModelConfig"
             )
         if model_type != "deepseek_v3":
             raise ConfigError(

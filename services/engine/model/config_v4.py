@@ -14,7 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferry.services.engine.model.config import ConfigError, RopeScaling, read_fp8_block
+from ferry.services.engine.model.config import (
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    read_fp8_block,
+)
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # an entry every csa_rate tokens, chosen by the indexer
@@ -127,6 +132,23 @@ class V4ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
 
     @property
+    def n_group(self) -> int:
+        """Expert groups of group-limited routing: V4 routes over all experts at once."""
+        return 1
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Every V4 layer is MoE (hash-routed or learned): no dense layers."""
+        return tuple(range(self.num_hidden_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return 0 <= layer_id < self.num_hidden_layers
+
+    @property
     def hash_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "hash_moe")
 
@@ -143,6 +165,10 @@ class V4ModelConfig:
         fixed part per request)."""
         csa = len(self.layer_ids(CSA)) * (self.head_dim + self.index_head_dim) / self.csa_rate
         return csa + len(self.layer_ids(HCA)) * self.head_dim / self.hca_rate
+
+    @property
+    def model_type(self) -> str:
+        return "deepseek_v4"
 
     def replace(self, **changes: Any) -> V4ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -366,3 +392,14 @@ def _read_ropes(d: dict[str, Any]) -> dict[str, Any]:
         "compress_rope_theta": compress_theta,
         "compress_rope_scaling": scaling,
     }
+
+
+AnyModelConfig = ModelConfig | V4ModelConfig
+
+
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> AnyModelConfig:
+    """The config of any model Ferry runs, by its ``model_type``: ``deepseek_v4`` here, the
+    rest (``deepseek_v3``, and the refusals of what Ferry does not run) by ModelConfig."""
+    if d.get("model_type") == "deepseek_v4":
+        return V4ModelConfig.from_hf_dict(d, source)
+    return ModelConfig.from_hf_dict(d, source)

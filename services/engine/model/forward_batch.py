@@ -11,6 +11,8 @@ Each sequence runs on one of two attention paths:
   itself (MQA over ``c_kv ‖ k_rope``), ``W_UV`` applied after.
 ``attention="auto"`` sends single-token queries to the absorbed path and the rest to the expanded
 one; "expanded" / "absorbed" force one path for every token (tests compare the two).
+DeepSeek-V4 has one path for all (``attention_path = "expanded"``); each of its sequences also
+names the state slot that holds its window and compressor rows.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PrefillSpan:
     q_end: int
     ctx_len: int  # context after this step, new tokens included
     block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] int64
+    state_slot: int = -1  # DeepSeek-V4's per-request state; -1: none
 
 
 @dataclass(frozen=True)
@@ -64,18 +67,24 @@ class ForwardBatch:
         block_size: int,
         attention: AttentionPath = "auto",
         device: torch.device | str = "cpu",
+        state_slots: Sequence[int] | None = None,
     ) -> ForwardBatch:
         """Sequence i brings ``query_lens[i]`` new tokens after ``num_computed_tokens[i]`` cached
-        ones; ``block_tables[i]`` must cover all of them."""
+        ones; ``block_tables[i]`` must cover all of them; ``state_slots[i]``: its state slot."""
         if not len(query_lens) == len(num_computed_tokens) == len(block_tables):
             raise ValueError("query_lens, num_computed_tokens and block_tables differ in length")
+        seq_slots = list(state_slots) if state_slots is not None else [-1] * len(query_lens)
+        if len(seq_slots) != len(query_lens):
+            raise ValueError("state_slots and query_lens differ in length")
         positions: list[int] = []
         slots: list[int] = []
         spans: list[PrefillSpan] = []
         dec_index: list[int] = []
         dec_tables: list[Sequence[int]] = []
         dec_lens: list[int] = []
-        for q_len, done, table in zip(query_lens, num_computed_tokens, block_tables, strict=True):
+        for q_len, done, table, slot in zip(
+            query_lens, num_computed_tokens, block_tables, seq_slots, strict=True
+        ):
             ctx_len = done + q_len
             if q_len <= 0 or len(table) * block_size < ctx_len:
                 raise ValueError(
@@ -93,7 +102,7 @@ class ForwardBatch:
             else:
                 n_blocks = (ctx_len + block_size - 1) // block_size
                 ids = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
-                spans.append(PrefillSpan(start, start + q_len, ctx_len, ids))
+                spans.append(PrefillSpan(start, start + q_len, ctx_len, ids, slot))
         decode = None
         if dec_index:
             width = max(len(t) for t in dec_tables)

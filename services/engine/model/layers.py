@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry import kernels as ops
+from ferry.kernels.fused_moe.reference import swiglu
 from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup, combine, dispatch
 from ferry.services.engine.experts import ExpertPlacement
@@ -40,16 +41,18 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP: the dense layers and the shared experts."""
+    """SiLU-gated MLP: the dense layers and the shared experts (DeepSeek-V4's clamped at
+    ``swiglu_limit``)."""
 
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class MLAAttention(nn.Module):
@@ -143,12 +146,23 @@ class MLAAttention(nn.Module):
 class Router(nn.Module):
     """The MoE gate. Kept in float32, as DeepSeek runs it, whatever the model's dtype."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, num_experts: int, hidden: int) -> None:
         super().__init__()
-        e, h = config.n_routed_experts, config.hidden_size
-        self.weight = nn.Parameter(torch.empty(e, h, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.e_score_correction_bias: torch.Tensor
-        self.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        bias = torch.zeros(num_experts, dtype=torch.float32)
+        self.register_buffer("e_score_correction_bias", bias)
+
+
+class HashRouter(nn.Module):
+    """A hash-MoE layer's gate (DeepSeek-V4): the experts come from ``tid2eid[token id]``,
+    fixed; the learned ``weight`` only scores them. Nothing steers it: no bias."""
+
+    def __init__(self, num_experts: int, hidden: int, vocab_size: int, top_k: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.tid2eid: torch.Tensor
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
 
 
 class RoutedExperts(nn.Module):
@@ -161,14 +175,17 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """DeepSeekMoE: group-limited top-k routed experts plus always-on shared experts."""
+    """DeepSeekMoE: group-limited top-k routed experts plus always-on shared experts.
+    Subclasses change how tokens are routed (``route``) and the SwiGLU clamp."""
+
+    swiglu_limit: float | None = None
 
     def __init__(self, config: ModelConfig, moe_layer: int, placement: ExpertPlacement) -> None:
         super().__init__()
         self.config = config
         self.moe_layer = moe_layer  # index among MoE layers (the placement's row)
         self.placement = placement
-        self.gate = Router(config)
+        self.gate: Router | HashRouter = Router(config.n_routed_experts, config.hidden_size)
         inter = config.moe_intermediate_size
         self.experts = RoutedExperts(placement.slots_per_rank, config.hidden_size, inter)
         self.ep_group: EPGroup | None = None  # set by attach_ep_group on a DEP rank
@@ -179,23 +196,36 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def correction_bias(self) -> torch.Tensor | None:
+        """The bias that steers which experts are picked (None where nothing can)."""
+        return self.gate.e_score_correction_bias if isinstance(self.gate, Router) else None
+
+    def route(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] float32, logical expert ids [T, top_k] int64)."""
         c = self.config
         logits = F.linear(x.float(), self.gate.weight)  # [T, n_routed_experts] float32
-        weights, ids = ops.moe_route(
+        return ops.moe_route(
             logits,
-            self.gate.e_score_correction_bias,
+            self.correction_bias,
             c.num_experts_per_tok,
             c.n_group,
             c.topk_group,
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden]; input_ids: [T], for layers that route by token id."""
+        weights, ids = self.route(x, input_ids)
         if self.expert_load is not None:
             self.expert_load.add(self.moe_layer, ids)
         slots = self.placement.select_slots(self.moe_layer, ids)
+        limit = self.swiglu_limit
         if self.ep_group is None:
-            out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots)
+            out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots, limit)
         else:  # the slots live on several ranks: send the rows there and back
             d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)
             if self.expert_load is not None:
@@ -206,6 +236,7 @@ class MoE(nn.Module):
                 self.experts.w2,
                 d.weights[:, None],
                 d.local_slots[:, None],
+                limit,
             )
             out = combine(y, d, self.ep_group)
         if self.shared_experts is not None:

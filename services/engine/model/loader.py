@@ -1,5 +1,6 @@
 """Weights: HF safetensors checkpoints (one file or an index of shards, bf16/fp32 or FP8 e4m3
-block-quantized), the seeded presets, and export of a preset as a checkpoint.
+block-quantized, FP4 routed experts), the seeded presets, and export of a preset as a checkpoint.
+DeepSeek-V3 and DeepSeek-V4 alike: the config says which model to build.
 
 Every error names the file and the tensor at fault; none is a bare KeyError.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,9 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model import checkpoint_names_v4 as v4_names
+from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_shapes, is_ignored
-from ferry.services.engine.model.config import ConfigError, ModelConfig
+from ferry.services.engine.model.config import ConfigError
+from ferry.services.engine.model.config_v4 import AnyModelConfig, V4ModelConfig, config_from_hf_dict
 from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
+from ferry.services.engine.model.deepseek_v4 import KEEP_FP32, DeepseekV4ForCausalLM
 from ferry.services.engine.model.layers import MoE
 from ferry.services.engine.model.presets import PRESETS, Preset
 
@@ -39,7 +45,7 @@ class LoaderError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and tensor."""
 
 
-def read_config(path: Path) -> ModelConfig:
+def read_config(path: Path) -> AnyModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise LoaderError(f"{path}: no config.json (is this a HF checkpoint directory?)")
@@ -48,40 +54,57 @@ def read_config(path: Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise LoaderError(f"{cfg_file}: not valid JSON ({e})") from None
     try:
-        return ModelConfig.from_hf_dict(raw, source=str(cfg_file))
+        return config_from_hf_dict(raw, source=str(cfg_file))
     except ConfigError as e:
         raise LoaderError(str(e)) from None
 
 
 def build_empty_model(
-    config: ModelConfig,
+    config: AnyModelConfig,
     dtype: torch.dtype,
     device: torch.device | str,
     placement: ExpertPlacement | None,
-) -> DeepseekV3ForCausalLM:
-    """Uninitialised parameters in ``dtype``; the router stays float32."""
+) -> MoECausalLM:
+    """Uninitialised parameters in ``dtype``; the router stays float32, and so do the
+    parameters DeepSeek-V4 keeps in float32 (``KEEP_FP32``)."""
     if placement is None:
         placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
+    model: MoECausalLM
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, placement)
+        if isinstance(config, V4ModelConfig):
+            model = DeepseekV4ForCausalLM(config, placement)
+        else:
+            model = DeepseekV3ForCausalLM(config, placement)
     model.to_empty(device=device)
     model.to(dtype)
     for m in model.modules():
         if isinstance(m, MoE):
             m.gate.float()
+    if isinstance(config, V4ModelConfig):
+        for name, param in model.named_parameters():
+            if KEEP_FP32_RE.search(name):
+                param.data = param.data.float()
     return model.eval().requires_grad_(False)
+
+
+KEEP_FP32_RE = re.compile(r"(^|\.)(" + "|".join(KEEP_FP32) + r")(\.|$)")
 
 
 class _Targets:
     """Where each checkpoint tensor goes in the model: a parameter, or expert slot rows."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM) -> None:
-        self.config = model.config
+    def __init__(self, model: MoECausalLM, config: AnyModelConfig) -> None:
+        self.config = config
         self.placement = model.placement
         self.state = dict(model.named_parameters()) | dict(model.named_buffers())
-        self.expected = checkpoint_shapes(model.config)
+        self.expected = (
+            v4_names.v4_checkpoint_shapes(config)
+            if isinstance(config, V4ModelConfig)
+            else checkpoint_shapes(config)
+        )
+        self.kind = "deepseek_v4" if isinstance(config, V4ModelConfig) else "deepseek_v3"
         self.seen: set[str] = set()
-        moe_ids = model.config.moe_layer_ids
+        moe_ids = config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(moe_ids)}
         # (moe layer, logical expert) -> local slot rows holding it
         self._slots: dict[tuple[int, int], list[int]] = {}
@@ -93,7 +116,8 @@ class _Targets:
         want = self.expected.get(name)
         if want is None:
             raise LoaderError(
-                f"{file}: unknown tensor '{name}' for a {self.config.num_hidden_layers}-layer deepseek_v3"
+                f"{file}: unknown tensor '{name}' for a {self.config.num_hidden_layers}-layer "
+                f"{self.kind}"
             )
         if tuple(tensor.shape) != want:
             raise LoaderError(
@@ -102,6 +126,13 @@ class _Targets:
         if name in self.seen:
             raise LoaderError(f"{file}: tensor '{name}' appears twice in the checkpoint")
         self.seen.add(name)
+        if name.endswith(".tid2eid"):
+            bad = (tensor < 0) | (tensor >= self.config.n_routed_experts)
+            if bool(bad.any()):
+                raise LoaderError(
+                    f"{file}: '{name}' routes to expert {int(tensor[bad][0])}, outside "
+                    f"0..{self.config.n_routed_experts - 1}"
+                )
         m = EXPERT_RE.fullmatch(name)
         if m is None:
             with torch.no_grad():
@@ -187,8 +218,25 @@ def _shard_map(path: Path) -> dict[str, str]:
         return dict.fromkeys(f.keys(), SINGLE_FILE)
 
 
-def _read_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, file) for every tensor Ferry uses, FP8 weights already dequantized."""
+def _read_tensors(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, file) for every tensor Ferry uses, by Ferry's name, FP8/FP4 weights
+    already dequantized."""
+    for name, tensor, file in _read_stored(path, config):
+        if isinstance(config, V4ModelConfig):
+            for part, t in v4_names.split_fused_experts(v4_names.canonical(name), tensor):
+                yield part, t, file
+        else:
+            yield name, tensor, file
+
+
+def _ignored(name: str, config: AnyModelConfig) -> bool:
+    if isinstance(config, V4ModelConfig):
+        return v4_names.is_ignored(name)
+    return is_ignored(name, config)
+
+
+def _read_stored(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name as stored, tensor, file), FP8/FP4 weights dequantized, scales consumed."""
     weight_map = _shard_map(path)
     with ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -202,7 +250,7 @@ def _read_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.
 
         scales = {s for n in weight_map for s in _scale_names(n) if s in weight_map}
         for name in sorted(weight_map, key=lambda n: (weight_map[n], n)):
-            if name in scales or is_ignored(name, config):
+            if name in scales or _ignored(name, config):
                 continue
             tensor, file = get(name), weight_map[name]
             scale = name.removesuffix(".weight") + E8M0_SCALE
@@ -228,9 +276,12 @@ def _scale_names(name: str) -> list[str]:
 
 
 def load_weights(
-    model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]], where: str
-) -> DeepseekV3ForCausalLM:
-    targets = _Targets(model)
+    model: MoECausalLM,
+    config: AnyModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor, str]],
+    where: str,
+) -> MoECausalLM:
+    targets = _Targets(model, config)
     for name, tensor, file in tensors:
         targets.load(name, tensor, file)
     targets.finish(where)
@@ -242,11 +293,11 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
-) -> DeepseekV3ForCausalLM:
+) -> MoECausalLM:
     path = Path(path)
     config = read_config(path)
     model = build_empty_model(config, dtype, device, placement)
-    return load_weights(model, _read_tensors(path, config), str(path))
+    return load_weights(model, config, _read_tensors(path, config), str(path))
 
 
 def load_preset(
@@ -254,15 +305,15 @@ def load_preset(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     placement: ExpertPlacement | None = None,
-) -> DeepseekV3ForCausalLM:
+) -> MoECausalLM:
     preset = PRESETS[name]
     model = build_empty_model(preset.config, dtype, device, placement)
     tensors = ((n, t, f"preset:{name}") for n, t in random_state_dict(preset).items())
-    return load_weights(model, tensors, f"preset:{name}")
+    return load_weights(model, preset.config, tensors, f"preset:{name}")
 
 
 def save_checkpoint(
-    config: ModelConfig,
+    config: AnyModelConfig,
     state: dict[str, torch.Tensor],
     path: str | Path,
     max_shard_bytes: int | None = None,
@@ -299,20 +350,41 @@ def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = Non
     from ferry.services.common.tokenizer import write_byte_tokenizer_json
 
     preset = PRESETS[name]
-    save_checkpoint(preset.config, random_state_dict(preset), path, max_shard_bytes)
+    state = random_state_dict(preset)
+    if isinstance(preset.config, V4ModelConfig):  # as DeepSeek ships V4, which HF converts
+        state = {v4_names.deepseek_name(n): t for n, t in state.items()}
+    save_checkpoint(preset.config, state, path, max_shard_bytes)
     write_byte_tokenizer_json(Path(path))
     return Path(path)
 
 
 def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
-    """HF-named float32 weights: N(0, init_std) matrices, unit norms, a small routing bias."""
+    """Ferry-named float32 weights: N(0, init_std) matrices, unit norms, a small routing bias;
+    for DeepSeek-V4 also attention sinks, slot biases, mHC bases and scales that are not their
+    trivial values, and a token-to-experts table (distinct experts per token)."""
     gen = torch.Generator().manual_seed(preset.seed)
+    config = preset.config
+    shapes = (
+        v4_names.v4_checkpoint_shapes(config)
+        if isinstance(config, V4ModelConfig)
+        else checkpoint_shapes(config)
+    )
     out: dict[str, torch.Tensor] = {}
-    for name, shape in sorted(checkpoint_shapes(preset.config).items()):
+    for name, shape in sorted(shapes.items()):
+        leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
         elif name.endswith("e_score_correction_bias"):
             t = (torch.rand(shape, generator=gen) - 0.5) * 0.04
+        elif leaf == "tid2eid":
+            experts = config.n_routed_experts
+            t = torch.stack(
+                [torch.randperm(experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+            )
+        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
+            t = torch.randn(shape, generator=gen) * 0.5
+        elif leaf in ("scale", "hc_scale"):
+            t = 1 + torch.randn(shape, generator=gen) * 0.1
         elif name.endswith(".bias"):
             t = torch.zeros(shape)
         else:

@@ -1,0 +1,91 @@
+"""What a model keeps per token and per request, as groups: the engine budgets memory, sizes
+blocks and admits requests from this alone, whichever model it runs. No torch.
+
+- A *paged group* holds history that grows with the context, in the blocks of the request's one
+  block table: one entry per ``tokens_per_entry`` tokens, on ``num_layers`` layers.
+  DeepSeek-V3: one latent group (an entry per token). DeepSeek-V4: CSA entries and their indexer
+  keys (an entry per ``csa_rate`` tokens), HCA entries (per ``hca_rate``).
+- A *state ring* holds, per request, the last ``rows`` rows of something that only looks back a
+  fixed distance: V4's sliding window and its compressors' not-yet-pooled rows. A request that
+  runs holds one *state slot* (a row of every ring); it needs no blocks for these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    name: str
+    num_layers: int
+    tokens_per_entry: int
+    dim: int  # values per entry
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        return self.num_layers * (block_size // self.tokens_per_entry) * self.dim * itemsize
+
+
+@dataclass(frozen=True)
+class StateRing:
+    name: str
+    num_layers: int
+    rows: int
+    dim: int  # values per row
+
+    def bytes_per_slot(self, itemsize: int) -> int:
+        return self.num_layers * self.rows * self.dim * itemsize
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    groups: tuple[PagedGroup, ...]
+    rings: tuple[StateRing, ...] = ()
+    default_block_size: int = 64
+
+    @property
+    def block_multiple(self) -> int:
+        """A block holds whole entries of every group: its size is a multiple of this."""
+        return math.lcm(*(g.tokens_per_entry for g in self.groups))
+
+    def block_size(self, requested: int | None) -> int:
+        """``requested``, checked; or the default rounded up to hold whole entries."""
+        m = self.block_multiple
+        if requested is None:
+            return -(-self.default_block_size // m) * m
+        if requested % m:
+            ratios = sorted({g.tokens_per_entry for g in self.groups} - {1})
+            raise ValueError(
+                f"block_size={requested} does not hold whole compressed entries (the model "
+                f"pools {', '.join(map(str, ratios))} tokens an entry): use a multiple of {m}"
+            )
+        return requested
+
+    def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        return sum(g.bytes_per_block(block_size, itemsize) for g in self.groups)
+
+    def bytes_per_state_slot(self, itemsize: int) -> int:
+        return sum(r.bytes_per_slot(itemsize) for r in self.rings)
+
+    def bytes_per_token(self, itemsize: int) -> float:
+        """The paged part, per token of context."""
+        return sum(g.num_layers * g.dim * itemsize / g.tokens_per_entry for g in self.groups)
+
+    def describe(self, itemsize: int) -> list[dict[str, object]]:
+        """One row per group and ring, for docs and benchmarks."""
+        rows: list[dict[str, object]] = [
+            {
+                "group": g.name,
+                "layers": g.num_layers,
+                "tokens_per_entry": g.tokens_per_entry,
+                "bytes_per_token": g.num_layers * g.dim * itemsize / g.tokens_per_entry,
+            }
+            for g in self.groups
+        ]
+        rows += [
+            {"ring": r.name, "layers": r.num_layers, "rows": r.rows, "bytes_per_request": b}
+            for r in self.rings
+            if (b := r.bytes_per_slot(itemsize))
+        ]
+        return rows

@@ -1,0 +1,103 @@
+"""What every Ferry model shares around its decoder: the expert placement, joining a DEP group,
+counting expert load, the routing-skew test knob, the idle MoE pass, and the logits head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferry.services.engine.expert_load import ExpertLoad
+from ferry.services.engine.expert_parallel import EPGroup
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.cache_spec import CacheSpec
+from ferry.services.engine.model.config_v4 import AnyModelConfig
+from ferry.services.engine.model.forward_batch import AttentionPath
+from ferry.services.engine.model.layers import MoE
+
+
+class MoECausalLM(nn.Module):
+    """Subclasses build ``self.lm_head`` and name their decoder layers (``decoder_layers``),
+    each with its MoE or MLP as ``.mlp``."""
+
+    config: AnyModelConfig
+    lm_head: nn.Linear
+    attention_path: AttentionPath = "auto"  # how the engine builds its ForwardBatch
+
+    def __init__(self, num_moe_layers: int, placement: ExpertPlacement) -> None:
+        super().__init__()
+        if placement.num_moe_layers != num_moe_layers:
+            raise ValueError(
+                f"placement covers {placement.num_moe_layers} MoE layers, model has {num_moe_layers}"
+            )
+        self.placement = placement
+
+    def decoder_layers(self) -> Iterable[nn.Module]:
+        raise NotImplementedError
+
+    def cache_spec(self) -> CacheSpec:
+        """What the model keeps per token (paged groups) and per request (state rings)."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_slots: int) -> Any:
+        """A zeroed cache of ``num_blocks`` blocks and ``num_slots`` state slots, passed to
+        ``forward`` as it is."""
+        raise NotImplementedError
+
+    def moe_layers(self) -> list[MoE]:
+        mlps = (getattr(layer, "mlp", None) for layer in self.decoder_layers())
+        return [mlp for mlp in mlps if isinstance(mlp, MoE)]
+
+    def attach_ep_group(self, group: EPGroup) -> None:
+        """Make this model a rank of a DEP group: its MoE layers exchange tokens with the other
+        ranks (the placement must say the same ep_size and ep_rank)."""
+        p = self.placement
+        if (p.ep_size, p.ep_rank) != (group.size, group.rank):
+            raise ValueError(
+                f"placement is rank {p.ep_rank} of {p.ep_size}, the group says "
+                f"rank {group.rank} of {group.size}"
+            )
+        for moe in self.moe_layers():
+            moe.ep_group = group
+
+    def attach_expert_load(self, load: ExpertLoad) -> None:
+        """Count every MoE layer's routing into ``load``."""
+        for moe in self.moe_layers():
+            moe.expert_load = load
+
+    def skew_routing(self, skew: float) -> None:
+        """A test knob: add a seeded ``skew * N(0, 1)`` per expert to every learned MoE layer's
+        correction bias, which steers which experts the router picks (not their weights), so
+        that a few experts get most tokens, as in real traffic. The same in every process.
+        Hash-routed layers pick by token id: nothing steers them."""
+        for moe in self.moe_layers():
+            bias = moe.correction_bias
+            if bias is not None:
+                gen = torch.Generator().manual_seed(1000 + moe.moe_layer)
+                bias += skew * torch.randn(bias.shape, generator=gen).to(bias.device)
+
+    def idle_moe_pass(self) -> None:
+        """A DEP rank with nothing to run this step: join every MoE layer's exchange with no
+        tokens, in layer order, so that the other ranks' steps can complete."""
+        empty = torch.empty(0, self.lm_head.in_features, dtype=self.dtype, device=self.device)
+        no_ids = torch.empty(0, dtype=torch.long, device=self.device)
+        for moe in self.moe_layers():
+            moe(empty, no_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab_size] float32."""
+        return self.lm_head(hidden).float()

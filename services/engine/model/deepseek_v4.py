@@ -1,0 +1,144 @@
+"""The DeepSeek-V4 decoder (V4-Flash, -Base): 4 residual streams mixed by mHC around every
+attention and MoE sublayer, then a hyper-head collapses them for the final norm and lm_head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.cache_spec import CacheSpec
+from ferry.services.engine.model.causal_lm import MoECausalLM
+from ferry.services.engine.model.config_v4 import V4ModelConfig
+from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
+from ferry.services.engine.model.kv_cache_v4 import LayerCache, V4KVCache, v4_cache_spec
+from ferry.services.engine.model.layers_v4 import (
+    HyperConnection,
+    HyperHead,
+    Sequence,
+    V4Attention,
+    V4MoE,
+    V4RMSNorm,
+)
+from ferry.services.engine.model.rope import V4Rope
+
+# Parameters kept in float32 whatever the model's dtype, as transformers keeps them (its
+# `_keep_in_fp32_modules_strict`): a parameter whose dotted name holds one of these parts.
+KEEP_FP32 = (
+    "attn_hc",
+    "ffn_hc",
+    "hc_head",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "q_a_norm",
+    "kv_norm",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "norm",
+)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: V4ModelConfig, layer_id: int, placement: ExpertPlacement) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        self.input_layernorm = V4RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = V4RMSNorm(config.hidden_size, eps)
+        self.self_attn = V4Attention(config, layer_id)
+        self.mlp = V4MoE(config, layer_id, placement)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: list[Sequence],
+        cache: LayerCache,
+        rope: V4Rope,
+    ) -> torch.Tensor:
+        """streams: [T, hc_mult, hidden] -> the same, after attention and MoE."""
+        post, comb, x = self.attn_hc(streams)
+        x = self.self_attn(self.input_layernorm(x), positions, seqs, cache, rope)
+        streams = HyperConnection.expand(streams, x, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x), input_ids)
+        return HyperConnection.expand(streams, x, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: V4ModelConfig, placement: ExpertPlacement) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers)
+        )
+        self.hc_head = HyperHead(config)
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(MoECausalLM):
+    """``forward`` maps the new tokens of a batch to final hidden states, reading and extending
+    each sequence's cache (its blocks and its state slot); ``compute_logits`` turns chosen rows
+    of those into float32 logits."""
+
+    config: V4ModelConfig
+
+    # every sequence takes the one path (window ∪ compressed entries, sinks), decode included
+    attention_path: AttentionPath = "expanded"
+
+    def __init__(self, config: V4ModelConfig, placement: ExpertPlacement | None = None) -> None:
+        if placement is None:
+            placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
+        super().__init__(config.num_moe_layers, placement)
+        self.config = config
+        self.model = DeepseekV4Model(config, placement)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = V4Rope(config)
+
+    def decoder_layers(self) -> Iterable[nn.Module]:
+        return iter(self.model.layers)
+
+    def cache_spec(self) -> CacheSpec:
+        return v4_cache_spec(self.config)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_slots: int) -> V4KVCache:
+        """A zeroed cache: ``num_blocks`` paged blocks, ``num_slots`` state slots."""
+        return V4KVCache(self.config, num_blocks, block_size, num_slots, self.dtype, self.device)
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: V4KVCache
+    ) -> torch.Tensor:
+        """input_ids: [num_tokens]; every sequence of ``batch`` on the expanded path with its
+        state slot. Returns the final hidden states [num_tokens, hidden]."""
+        seqs = _sequences(batch)
+        streams = self.model.embed_tokens(input_ids)[:, None, :]
+        streams = streams.expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer_id, layer in enumerate(self.model.layers):
+            cache = kv_cache.layer(layer_id)
+            streams = layer(streams, input_ids, batch.positions, seqs, cache, self.rope)
+        return self.model.norm(self.model.hc_head(streams))
+
+
+def _sequences(batch: ForwardBatch) -> list[Sequence]:
+    if batch.decode is not None:
+        raise ValueError("DeepSeek-V4 runs every sequence on the expanded path")
+    seqs = []
+    for s in batch.prefill:
+        if s.state_slot < 0:
+            raise ValueError("a DeepSeek-V4 sequence needs a state slot")
+        n = s.q_end - s.q_start
+        seqs.append(
+            Sequence(
+                slice(s.q_start, s.q_end),
+                batch.positions[s.q_start : s.q_end],
+                s.ctx_len - n,
+                s.block_ids,
+                s.state_slot,
+            )
+        )
+    return seqs

@@ -1,0 +1,97 @@
+"""DeepSeek-V4's cache tensors: three paged groups that share the request's block table, and
+state rings indexed by the request's state slot (see cache_spec.py for the groups' roles).
+
+Paged, one entry per ``rate`` tokens, in blocks of ``block_size // rate`` entries:
+- ``csa_kv`` [CSA layers, blocks, entries, head_dim]: the CSA compressor's entries;
+- ``csa_index`` [CSA layers, blocks, entries, index_head_dim]: the indexer's keys;
+- ``hca_kv`` [HCA layers, blocks, entries, head_dim]: the HCA compressor's entries.
+Rings, per state slot, a row per position ``p`` at ``p % rows``:
+- ``swa`` [layers, slots, sliding_window, head_dim]: the rotated K = V rows of the window;
+- ``csa_rows`` / ``index_rows`` [CSA layers, slots, 2 * csa_rate, 2 * width]: the projected
+  kv | gate rows a CSA entry still needs (its window and, for the overlap, the one before);
+- ``hca_rows`` [HCA layers, slots, hca_rate, 2 * head_dim]: the rows of the open HCA window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
+from ferry.services.engine.model.config_v4 import CSA, HCA, V4ModelConfig
+
+
+def v4_cache_spec(c: V4ModelConfig) -> CacheSpec:
+    n_csa, n_hca = len(c.layer_ids(CSA)), len(c.layer_ids(HCA))
+    d, di = c.head_dim, c.index_head_dim
+    groups = [
+        PagedGroup("csa_kv", n_csa, c.csa_rate, d),
+        PagedGroup("csa_index", n_csa, c.csa_rate, di),
+        PagedGroup("hca_kv", n_hca, c.hca_rate, d),
+    ]
+    rings = [
+        StateRing("swa", c.num_hidden_layers, c.sliding_window, d),
+        StateRing("csa_rows", n_csa, 2 * c.csa_rate, 4 * d),
+        StateRing("index_rows", n_csa, 2 * c.csa_rate, 4 * di),
+        StateRing("hca_rows", n_hca, c.hca_rate, 2 * d),
+    ]
+    return CacheSpec(
+        groups=tuple(g for g in groups if g.num_layers),
+        rings=tuple(r for r in rings if r.num_layers),
+    )
+
+
+@dataclass(frozen=True)
+class CompressorCache:
+    """One compressor's part of one layer: its paged entries and its ring of rows."""
+
+    entries: torch.Tensor  # [blocks, entries per block, dim]
+    rows: torch.Tensor  # [slots, ring rows, 2 * width]
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    swa: torch.Tensor  # [slots, sliding_window, head_dim]
+    compressor: CompressorCache | None
+    indexer: CompressorCache | None
+
+
+class V4KVCache:
+    def __init__(
+        self,
+        config: V4ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        spec = v4_cache_spec(config)
+        spec.block_size(block_size)  # whole entries per block, or a clear error
+        self.config, self.block_size, self.num_slots = config, block_size, num_slots
+        self.num_blocks = num_blocks
+        self.tensors: dict[str, torch.Tensor] = {}
+        for g in spec.groups:
+            shape = (g.num_layers, num_blocks, block_size // g.tokens_per_entry, g.dim)
+            self.tensors[g.name] = torch.zeros(shape, dtype=dtype, device=device)
+        for r in spec.rings:
+            shape = (r.num_layers, num_slots, r.rows, r.dim)
+            self.tensors[r.name] = torch.zeros(shape, dtype=dtype, device=device)
+        self._csa = {layer: i for i, layer in enumerate(config.layer_ids(CSA))}
+        self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
+
+    def layer(self, layer_id: int) -> LayerCache:
+        t = self.tensors
+        swa = t["swa"][layer_id]
+        if layer_id in self._csa:
+            i = self._csa[layer_id]
+            return LayerCache(
+                swa,
+                CompressorCache(t["csa_kv"][i], t["csa_rows"][i]),
+                CompressorCache(t["csa_index"][i], t["index_rows"][i]),
+            )
+        if layer_id in self._hca:
+            i = self._hca[layer_id]
+            return LayerCache(swa, CompressorCache(t["hca_kv"][i], t["hca_rows"][i]), None)
+        return LayerCache(swa, None, None)

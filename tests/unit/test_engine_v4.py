@@ -1,0 +1,141 @@
+"""DeepSeek-V4 through its paged cache and the engine: a sequence that continues from its cache
+(state slot and blocks) gives the logits of the whole sequence at once, whatever the chunking and
+whatever else shares the step; the engine's greedy outputs are transformers' ``generate`` with
+chunked prefill forced and with preemption forced; the block size follows the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ferry.services.common.sampling_params import SamplingParams
+from ferry.services.engine import Engine, EngineConfig
+from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
+from tests.helpers import rel_err
+from tests.helpers_v4 import make_v4_checkpoint, v4_hf_greedy, v4_hf_logits, v4_hf_model
+
+BLOCK = 16  # the tiny config's CSA and HCA rates (4, 8) divide it
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_v4_checkpoint(tmp_path_factory.mktemp("v4"), seed=11, lm_head_scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt: Path) -> Any:
+    return v4_hf_model(ckpt)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run_chunks(
+    model: Any, seqs: list[list[int]], chunkings: list[list[int]]
+) -> list[torch.Tensor]:
+    """Feed each sequence in its chunks, all sequences' next chunks in one step; return every
+    position's logits per sequence."""
+    blocks_each = [-(-len(s) // BLOCK) for s in seqs]
+    cache = model.allocate_kv_cache(sum(blocks_each), BLOCK, len(seqs))
+    tables, start = [], 0
+    for n in blocks_each:
+        tables.append(list(range(start, start + n)))
+        start += n
+    done = [0] * len(seqs)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    pending = [list(c) for c in chunkings]
+    with torch.inference_mode():
+        while any(pending):
+            live = [i for i, p in enumerate(pending) if p]
+            lens = [pending[i].pop(0) for i in live]
+            ids = [
+                t for i, n in zip(live, lens, strict=True) for t in seqs[i][done[i] : done[i] + n]
+            ]
+            batch = ForwardBatch.build(
+                lens,
+                [done[i] for i in live],
+                [tables[i] for i in live],
+                BLOCK,
+                "expanded",
+                state_slots=live,
+            )
+            logits = model.compute_logits(model(torch.tensor(ids), batch, cache))
+            row = 0
+            for i, n in zip(live, lens, strict=True):
+                out[i].append(logits[row : row + n])
+                row += n
+                done[i] += n
+    return [torch.cat(o) for o in out]
+
+
+def test_chunks_ending_anywhere_match_the_whole_sequence(ckpt: Path, hf: Any) -> None:
+    """Prefill in uneven chunks, then decode one token at a time, two sequences at different
+    phases in the same steps; their compressor buffers are mid-window at every cut."""
+    model = load_model(ckpt)
+    a, b = _prompt(47, 1), _prompt(41, 2)
+    chunkings = [[7, 11, 15, 7] + [1] * 7, [1, 2, 3, 13, 5] + [1] * 17]
+    for seq, logits in zip([a, b], _run_chunks(model, [a, b], chunkings), strict=True):
+        err = rel_err(logits, v4_hf_logits(hf, seq))
+        assert err < 1e-4, err
+    # and one token at a time from the start
+    (one,) = _run_chunks(model, [a[:30]], [[1] * 30])
+    assert rel_err(one, v4_hf_logits(hf, a[:30])) < 1e-4
+
+
+def test_prompt_logits_uses_the_cache_path(ckpt: Path, hf: Any) -> None:
+    model = load_model(ckpt)
+    ids = _prompt(53, 3)
+    assert rel_err(prompt_logits(model, ids), v4_hf_logits(hf, ids)) < 1e-4
+
+
+def _engine(ckpt: Path, **kw: Any) -> Engine:
+    return Engine(EngineConfig(model=str(ckpt), **kw))
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_engine_greedy_matches_generate(ckpt: Path, hf: Any) -> None:
+    """Continuous batching of prompts of several lengths, chunked prefill forced (16 tokens a
+    step), against transformers' generate with its own cache."""
+    prompts = [_prompt(n, 20 + n) for n in (5, 23, 38, 9)]
+    want = v4_hf_greedy(hf, prompts, 12)
+    engine = _engine(ckpt, max_num_batched_tokens=16)
+    assert engine.block_size == BLOCK * 4  # the default (64) holds whole entries here
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    engine.check_integrity()
+
+
+def test_engine_greedy_with_preemption_forced(ckpt: Path, hf: Any) -> None:
+    """A cache too small for every sequence at once: sequences are preempted and recomputed
+    from their tokens (their state slots rebuilt), and the outputs do not change."""
+    prompts = [_prompt(n, 40 + n) for n in (30, 33, 35)]
+    want = v4_hf_greedy(hf, prompts, 12)
+    engine = _engine(ckpt, block_size=BLOCK, num_kv_blocks=5)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.num_preemptions > 0
+    assert [o.token_ids for o in outs] == want
+    engine.check_integrity()
+
+
+def test_prompt_logprobs_through_the_engine(ckpt: Path, hf: Any) -> None:
+    """Prompt logprobs of a prompt prefilled in chunks: transformers' over the whole prompt."""
+    ids = _prompt(29, 5)
+    engine = _engine(ckpt, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    (out,) = engine.generate([ids], params)
+    want = torch.log_softmax(v4_hf_logits(hf, ids), dim=-1)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
+    for i, entry in enumerate(out.prompt_logprobs):
+        assert abs(entry[ids[i + 1]] - float(want[i, ids[i + 1]])) < 1e-4, i
+    engine.check_integrity()
+
+
+def test_a_block_size_that_splits_an_entry_is_refused(ckpt: Path) -> None:
+    with pytest.raises(ValueError, match=r"block_size=20 does not hold whole compressed entries"):
+        _engine(ckpt, block_size=20)
