@@ -8,6 +8,10 @@ sequences in decode and measures the share of step time spent outside the model 
 
     python loadtest/bench_engine.py                      # the full workload (transformers: ~1 h here)
     python loadtest/bench_engine.py --hf-requests 32     # transformers on the first 32 requests only
+    python loadtest/bench_engine.py --model v4-small     # DeepSeek-V4 -> results/engine-v4-small.json
+
+The result also has each model's KV cache per token and per request (the fixed part: DeepSeek-V4's
+window and compressor rows), for the preset and the full-size model it stands for, V3 beside V4.
 """
 
 from __future__ import annotations
@@ -28,7 +32,39 @@ from pathlib import Path
 import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.engine.model import export_preset
+from ferry.services.engine.model import PRESETS, export_preset
+from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
+from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, V4ModelConfig
+from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
+
+# the full-size models the presets stand for (shapes only): DeepSeek-V3 and V4-Flash, bf16
+FULL_SIZE = {
+    "deepseek-v3 (bf16)": CacheSpec((PagedGroup("latent", 61, 1, 512 + 64),)),
+    "deepseek-v4-flash (bf16)": v4_cache_spec(
+        V4ModelConfig(
+            vocab_size=129280,
+            hidden_size=4096,
+            moe_intermediate_size=2048,
+            num_hidden_layers=43,
+            num_attention_heads=64,
+            head_dim=512,
+            qk_rope_head_dim=64,
+            q_lora_rank=1024,
+            layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 20 + (CSA,),
+            mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 40,
+            csa_rate=4,
+            hca_rate=128,
+            sliding_window=128,
+            o_groups=8,
+            o_lora_rank=1024,
+            index_n_heads=64,
+            index_head_dim=128,
+            index_topk=512,
+            n_routed_experts=256,
+            num_experts_per_tok=6,
+        )
+    ),
+}
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -94,11 +130,11 @@ def outside_forward_share(
 
 
 def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[str, float]:
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as d:
         export_preset(args.model, d)
-        model = DeepseekV3ForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     pad = 258
     tokens = 0
     t = time.perf_counter()
@@ -135,6 +171,32 @@ def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> dict[
     }
 
 
+def kv_bytes() -> dict[str, object]:
+    """Per model: bytes per token of context (the paged groups) and per request (the state
+    slot; a prefix-cache snapshot is the part of it a block boundary holds)."""
+
+    def row(spec: CacheSpec, itemsize: int) -> dict[str, object]:
+        return {
+            "bytes_per_token": spec.bytes_per_token(itemsize),
+            "bytes_per_request_fixed": spec.bytes_per_state_slot(itemsize),
+            "bytes_per_prefix_snapshot": spec.bytes_per_snapshot(itemsize),
+            "groups": spec.describe(itemsize),
+        }
+
+    out: dict[str, object] = {}
+    for name, preset in PRESETS.items():
+        c = preset.config
+        spec = (
+            v4_cache_spec(c)
+            if isinstance(c, V4ModelConfig)
+            else CacheSpec((PagedGroup("latent", c.num_hidden_layers, 1, c.kv_cache_dim),))
+        )
+        out[f"{name} (float32)"] = row(spec, 4)
+    for name, spec in FULL_SIZE.items():
+        out[name] = row(spec, 2)
+    return out
+
+
 def _config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -156,8 +218,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="loadtest/results/engine.json")
+    ap.add_argument("--out", default=None, help="default: results/engine.json (small), else -MODEL")
     args = ap.parse_args()
+    if args.out is None:
+        suffix = "" if args.model == "small" else f"-{args.model}"
+        args.out = f"loadtest/results/engine{suffix}.json"
     reqs = workload(args.num_requests, args.seed)
     print("ferry: outside-forward share at 64 running sequences", flush=True)
     share = outside_forward_share(args, reqs)
@@ -197,6 +262,7 @@ def main() -> None:
         "transformers": {**hf, "batch_size": 16, "padding": "left"},
         "ratio": ratio,
         "outside_forward_at_64": share,
+        "kv_cache": kv_bytes(),
         "targets": {"ratio": 5, "outside_forward_share": 0.10},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

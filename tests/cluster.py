@@ -159,7 +159,8 @@ class Cluster:
 
     def all_blocks_free(self) -> bool:
         """Every worker's load report says no KV block is in use (free or cached only)."""
-        loads = [v.load for v in self.views() if v.record.role in ("prefill", "decode")]
+        roles = ("prefill", "decode", "aggregated")
+        loads = [v.load for v in self.views() if v.record.role in roles]
         return bool(loads) and all(
             ld is not None and ld.free_kv_blocks == ld.total_kv_blocks for ld in loads
         )

@@ -144,10 +144,16 @@ def rewrite_config(path: Path, **changes: Any) -> None:
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' generate, greedy, one prompt at a time, never stopping early."""
+    """transformers' generate of DeepseekV3ForCausalLM, greedy (see ``greedy_generate``)."""
     from transformers import DeepseekV3ForCausalLM
 
     model = DeepseekV3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return greedy_generate(model, prompts, max_new_tokens)
+
+
+def greedy_generate(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' generate (its own cache path), greedy, one prompt at a time, never
+    stopping early."""
     outs = []
     with torch.no_grad():
         for ids in prompts:

@@ -109,24 +109,6 @@ def make_v4_checkpoint(
     return path
 
 
-def v4_hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' generate (its own cache path), greedy, never stopping early."""
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            seq = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(seq[0, len(ids) :].tolist())
-    return outs
-
-
 def v4_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import DeepseekV4ForCausalLM
 

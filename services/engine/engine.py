@@ -40,6 +40,9 @@ SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many grou
 # prompt rows whose logits over the whole vocabulary are held at once (256 x DeepSeek-V3's 129k
 # in float32: 132 MB; a step's whole token budget would be gigabytes)
 PROMPT_LOGPROB_ROWS = 256
+# a model with state (DeepSeek-V4) keeps a prefix-cache snapshot of it every this many blocks,
+# besides the prompt's last block boundary: 512 tokens at V4's 64-token blocks
+SNAPSHOT_EVERY_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -96,21 +99,27 @@ class Engine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         spec = self.model.cache_spec()
         self.block_size = spec.block_size(config.block_size)
-        # a state slot per sequence that may run: admission never waits for one
+        # a state slot per sequence that may run (admission never waits for one), and as many
+        # snapshots of them for the prefix cache
         num_slots = config.max_num_seqs if spec.rings else 0
+        num_snapshots = num_slots if config.enable_prefix_caching else 0
+        itemsize = dtype.itemsize
         num_blocks = config.num_blocks_for(
-            spec.bytes_per_block(self.block_size, dtype.itemsize),
-            num_slots * spec.bytes_per_state_slot(dtype.itemsize),
+            spec.bytes_per_block(self.block_size, itemsize),
+            num_slots * spec.bytes_per_state_slot(itemsize)
+            + num_snapshots * spec.bytes_per_snapshot(itemsize),
         )
-        self.kv_cache = self.model.allocate_kv_cache(num_blocks, self.block_size, num_slots)
+        self.kv_cache = self.model.allocate_kv_cache(
+            num_blocks, self.block_size, num_slots, num_snapshots
+        )
         self.model_fingerprint = _fingerprint(config, self.model, self.block_size)
-        # TODO(issue 29, step 3): DeepSeek-V4's prefix hits need the state at the boundary
         self.kv = KVCacheManager(
             num_blocks,
             self.block_size,
-            config.enable_prefix_caching and not spec.rings,
+            config.enable_prefix_caching,
             self.model_fingerprint.encode(),
             num_slots,
+            num_snapshots,
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = mc.eos_token_ids or (
@@ -320,6 +329,7 @@ class Engine:
             for pos in _prompt_logprob_positions(req, start, n):
                 prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
         device = self.model.device
+        snapshots = self._take_snapshots(plan)
         batch = ForwardBatch.build(
             plan.num_new_tokens,
             [r.num_computed_tokens for r in plan.requests],
@@ -328,6 +338,7 @@ class Engine:
             self.model.attention_path,
             device,
             [-1 if r.state_slot is None else r.state_slot for r in plan.requests],
+            snapshots,
         )
         t0 = time.perf_counter()
         hidden = self.model(torch.tensor(input_ids, device=device), batch, self.kv_cache)
@@ -340,7 +351,47 @@ class Engine:
         for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.kv.commit(req)
+        for req, points in zip(plan.requests, snapshots, strict=True):
+            for pos, snap in points:  # kept under the hash of the block that ends there
+                index = pos // self.block_size - 1
+                block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
+                self.kv.keep_snapshot(block_hash, snap)
         return logits, sampling, forward_s
+
+    def _take_snapshots(self, plan: StepPlan) -> list[list[tuple[int, int]]]:
+        """For a model with state: restore the state of this step's prefix hits, then choose
+        where each sequence's state is snapshotted this step (position, snapshot id)."""
+        if not self.kv.num_state_slots:
+            return [[] for _ in plan.requests]
+        for req in plan.requests:
+            if req.restore_snapshot is not None:
+                assert req.state_slot is not None
+                self.kv_cache.restore(req.restore_snapshot, req.state_slot)
+                req.restore_snapshot = None
+        out: list[list[tuple[int, int]]] = []
+        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
+            points = []
+            for pos in self._snapshot_positions(req, n):
+                snap = self.kv.take_snapshot()
+                if snap is None:
+                    break
+                points.append((pos, snap))
+            out.append(points)
+        return out
+
+    def _snapshot_positions(self, req: Request, n: int) -> list[int]:
+        """Block boundaries this step crosses where the prefix cache keeps the state: the last
+        one before the prompt's last token (a hit for the same prompt, or one that extends it:
+        the next turn of a chat) and every SNAPSHOT_EVERY_BLOCKS blocks (shared system
+        prompts)."""
+        bs, done = self.block_size, req.num_computed_tokens
+        prompt_end = (len(req.prompt_token_ids) - 1) // bs * bs
+        first = done // bs + 1
+        return [
+            b * bs
+            for b in range(first, (done + n) // bs + 1)
+            if b * bs == prompt_end or b % SNAPSHOT_EVERY_BLOCKS == 0
+        ]
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[tuple[int, Request, int]]

@@ -2,10 +2,16 @@
 slots of models that keep per-request state (DeepSeek-V4's window and compressor rows).
 
 The cache tensors (the groups of ``model/cache_spec.py``) are owned by the engine; this module
-decides which blocks and which state slot each request uses. Every group shares one block table. A full block is
-identified by a chained hash of (parent block's hash, its token ids, a salt naming the model), so
-two requests that share a prefix share its blocks. Blocks no request references stay *cached*
-(findable by hash) until the pool needs them, oldest first (LRU).
+decides which blocks and which state slot each request uses. Every group shares one block table.
+A full block is identified by a chained hash of (parent block's hash, its token ids, a salt naming
+the model), so two requests that share a prefix share its blocks. Blocks no request references
+stay *cached* (findable by hash) until the pool needs them, oldest first (LRU).
+
+For a model with state, a prefix hit also needs the state at the end of its last block:
+*snapshots* of it are kept by that block's hash (a fixed number, least recently used first out),
+and a hit is only as long as the longest cached prefix whose end has one. The state is a function
+of the prefix's tokens, so a snapshot stays exact for as long as it is kept, whatever happens to
+the blocks.
 
 A worker that asks for them (:meth:`KVCacheManager.record_events`) gets a KV event for every hash
 that becomes findable (stored) or is evicted (removed); schedulers follow these to route a prompt
@@ -96,11 +102,16 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
         num_state_slots: int = 0,
+        num_snapshots: int = 0,
     ) -> None:
-        """``num_state_slots`` > 0: every request that runs also holds one state slot."""
+        """``num_state_slots`` > 0: every request that runs also holds one state slot, and a
+        prefix hit needs one of ``num_snapshots`` snapshots."""
         self.pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
         self.free_slots = list(range(num_state_slots))
+        self.num_snapshots = num_snapshots if enable_prefix_caching else 0
+        self.free_snapshots = list(range(self.num_snapshots))
+        self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> id, LRU first
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt or DEFAULT_SALT
@@ -143,13 +154,15 @@ class KVCacheManager:
 
     def match_prefix(self, req: Request) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of ``req``'s tokens, leaving at least one
-        token to compute (its logits are needed). Returns (block ids, their hashes); none for a
-        request that wants its prompt's logprobs: it needs the logits of every prompt token."""
+        token to compute (its logits are needed); with state, only as far as the last block
+        whose end has a snapshot. Returns (block ids, their hashes); none for a request that
+        wants its prompt's logprobs: it needs the logits of every prompt token."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return [], []
         tokens = req.all_token_ids
         blocks: list[int] = []
         hashes: list[int] = []
+        usable = 0  # with state: up to the last block whose end has a snapshot
         with self.lock:
             for block_hash in prefix_hashes(tokens[: len(tokens) - 1], self.block_size, self.salt):
                 block = self.pool.hash_to_block.get(block_hash)
@@ -157,6 +170,10 @@ class KVCacheManager:
                     break
                 blocks.append(block)
                 hashes.append(block_hash)
+                if block_hash in self.snapshots:
+                    usable = len(blocks)
+        if self.num_state_slots:
+            return blocks[:usable], hashes[:usable]
         return blocks, hashes
 
     def allocate(
@@ -177,6 +194,9 @@ class KVCacheManager:
                 if not self.free_slots:
                     return False
                 req.state_slot = self.free_slots.pop()
+            if self.num_state_slots and cached_hashes:
+                req.restore_snapshot = self.snapshots[cached_hashes[-1]]
+                self.snapshots.move_to_end(cached_hashes[-1])
             for block in cached_blocks:
                 self.pool.take_cached(block)
             req.block_ids.extend(cached_blocks)
@@ -210,6 +230,28 @@ class KVCacheManager:
         req.block_ids = []
         req.block_hashes = []
         req.state_slot = None
+        req.restore_snapshot = None
+
+    # ---- state snapshots (models with state rings) ----------------------------------------
+    def take_snapshot(self) -> int | None:
+        """A snapshot id to copy a state into: a free one, else the least recently used one's
+        (its prefix loses its hit); None when there are none."""
+        with self.lock:
+            if self.free_snapshots:
+                return self.free_snapshots.pop()
+            if not self.snapshots:
+                return None
+            _, snap = self.snapshots.popitem(last=False)
+            return snap
+
+    def keep_snapshot(self, block_hash: int | None, snap: int) -> None:
+        """Keep ``snap`` as the state at the end of the block ``block_hash`` (None: the block
+        was not hashed; a hash that has one already keeps it): else it is free again."""
+        with self.lock:
+            if block_hash is None or block_hash in self.snapshots:
+                self.free_snapshots.append(snap)
+            else:
+                self.snapshots[block_hash] = snap
 
     # ---- references held outside requests (KV transfer) -----------------------------------
     def hold(self, key: str, block_ids: list[int]) -> None:
@@ -301,6 +343,9 @@ class KVCacheManager:
         held = [r.state_slot for r in live if r.state_slot is not None]
         if sorted(held + self.free_slots) != list(range(self.num_state_slots)):
             raise AssertionError(f"state slots: held {sorted(held)}, free {self.free_slots}")
+        kept = list(self.snapshots.values())
+        if sorted(kept + self.free_snapshots) != list(range(self.num_snapshots)):
+            raise AssertionError(f"snapshots: kept {sorted(kept)}, free {self.free_snapshots}")
         if self.num_state_slots:
             for r in live:
                 if r.num_computed_tokens and r.state_slot is None:

@@ -35,6 +35,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # its row of the cache's state rings, while it runs
+    restore_snapshot: int | None = None  # a prefix hit's state, copied in before its next step
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_preemptions: int = 0
     arrival: int = 0  # its place in its engine's arrival order (the planner numbers them)

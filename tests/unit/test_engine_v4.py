@@ -14,8 +14,8 @@ import torch
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.engine import Engine, EngineConfig
 from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
-from tests.helpers import rel_err
-from tests.helpers_v4 import make_v4_checkpoint, v4_hf_greedy, v4_hf_logits, v4_hf_model
+from tests.helpers import greedy_generate, make_request, rel_err
+from tests.helpers_v4 import make_v4_checkpoint, v4_hf_logits, v4_hf_model
 
 BLOCK = 16  # the tiny config's CSA and HCA rates (4, 8) divide it
 
@@ -103,7 +103,7 @@ def test_engine_greedy_matches_generate(ckpt: Path, hf: Any) -> None:
     """Continuous batching of prompts of several lengths, chunked prefill forced (16 tokens a
     step), against transformers' generate with its own cache."""
     prompts = [_prompt(n, 20 + n) for n in (5, 23, 38, 9)]
-    want = v4_hf_greedy(hf, prompts, 12)
+    want = greedy_generate(hf, prompts, 12)
     engine = _engine(ckpt, max_num_batched_tokens=16)
     assert engine.block_size == BLOCK * 4  # the default (64) holds whole entries here
     outs = engine.generate(prompts, GREEDY)
@@ -115,7 +115,7 @@ def test_engine_greedy_with_preemption_forced(ckpt: Path, hf: Any) -> None:
     """A cache too small for every sequence at once: sequences are preempted and recomputed
     from their tokens (their state slots rebuilt), and the outputs do not change."""
     prompts = [_prompt(n, 40 + n) for n in (30, 33, 35)]
-    want = v4_hf_greedy(hf, prompts, 12)
+    want = greedy_generate(hf, prompts, 12)
     engine = _engine(ckpt, block_size=BLOCK, num_kv_blocks=5)
     outs = engine.generate(prompts, GREEDY)
     assert engine.num_preemptions > 0
@@ -139,3 +139,57 @@ def test_prompt_logprobs_through_the_engine(ckpt: Path, hf: Any) -> None:
 def test_a_block_size_that_splits_an_entry_is_refused(ckpt: Path) -> None:
     with pytest.raises(ValueError, match=r"block_size=20 does not hold whole compressed entries"):
         _engine(ckpt, block_size=20)
+
+
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def _close(a: list[dict[int, float]] | None, b: list[dict[int, float]] | None) -> bool:
+    assert a is not None and b is not None and len(a) == len(b)
+    return all(
+        x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-5
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_a_prefix_hit_continues_from_the_snapshot_exactly(ckpt: Path, hf: Any) -> None:
+    """The same prompt again, the next turn of a chat (the prompt + the answer + more), and a
+    shared 140-token prefix: each hit restores the state snapshotted at its last block (the
+    prompt's last boundary; every 8 blocks) and gives the cold engine's logprobs and
+    transformers' tokens."""
+    first = _prompt(50, 60)
+    system = _prompt(140, 61)
+    warm = _engine(ckpt, block_size=BLOCK)
+    cold = _engine(ckpt, block_size=BLOCK, enable_prefix_caching=False)
+    (a,) = warm.generate([first], LOGPROBS)
+    assert a.num_cached_tokens == 0
+    turn = first + a.token_ids + _prompt(9, 62)
+    cases = [
+        (first, 48),  # its own snapshot, one block short of its last token
+        (turn, 48),
+        (system + _prompt(5, 63), 0),
+        (system + _prompt(7, 64), 128),  # the 8-block snapshot the first one left
+    ]
+    for prompt, cached in cases:
+        (out,) = warm.generate([prompt], LOGPROBS)
+        assert out.num_cached_tokens == cached, (len(prompt), out.num_cached_tokens)
+        (ref,) = cold.generate([prompt], LOGPROBS)
+        assert out.token_ids == ref.token_ids == greedy_generate(hf, [prompt], 6)[0]
+        assert _close(out.logprobs, ref.logprobs)
+        warm.check_integrity()
+
+
+def test_blocks_without_their_snapshot_are_no_hit(ckpt: Path) -> None:
+    """One snapshot (max_num_seqs=1): a second prompt's takes it, so the first prompt, its
+    blocks still cached, is computed again from the start; the second one hits."""
+    a, b = _prompt(40, 70), _prompt(40, 71)
+    engine = _engine(ckpt, block_size=BLOCK, max_num_seqs=1)
+    engine.generate([a], GREEDY)
+    engine.generate([b], GREEDY)
+    blocks, _ = engine.kv.match_prefix(make_request("x", a))
+    assert blocks == [] and engine.kv.pool.hash_to_block  # blocks cached, no snapshot: no hit
+    (b_again,) = engine.generate([b], GREEDY)
+    assert b_again.num_cached_tokens == 32
+    (a_again,) = engine.generate([a], GREEDY)
+    assert a_again.num_cached_tokens == 0
+    engine.check_integrity()

@@ -1,7 +1,8 @@
 """A request resumed on another engine after k generated tokens (request migration: the prompt
 now ends with them, ``Resumed`` says how many and how much of their text the client has)
 continues with the same tokens and the same text as one that never moved: held-back text is
-released, and a stop string that spans the move is still found."""
+released, and a stop string that spans the move is still found. DeepSeek-V3 and -V4 alike (V4's
+state is recomputed from the prompt, exactly)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from ferry.services.engine.request import RequestOutput, Resumed
 PROMPT = list(b"Hello there, ")
 
 
-@pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256))
+@pytest.fixture(scope="module", params=["tiny", "v4-tiny"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    return Engine(EngineConfig(model=request.param, block_size=16, num_kv_blocks=256))
 
 
 def _run(

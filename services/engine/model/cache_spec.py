@@ -8,6 +8,10 @@ blocks and admits requests from this alone, whichever model it runs. No torch.
 - A *state ring* holds, per request, the last ``rows`` rows of something that only looks back a
   fixed distance: V4's sliding window and its compressors' not-yet-pooled rows. A request that
   runs holds one *state slot* (a row of every ring); it needs no blocks for these.
+- A *snapshot* is a copy of a slot's rings at a block boundary, kept for the prefix cache: a hit
+  on the blocks before the boundary continues from it. Rings whose content at a block boundary
+  is always empty (``at_boundary=False``: V4's HCA rows, as every rate divides the block) are
+  left out of it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class StateRing:
     num_layers: int
     rows: int
     dim: int  # values per row
+    at_boundary: bool = True  # holds anything at a block boundary (a snapshot copies it)
 
     def bytes_per_slot(self, itemsize: int) -> int:
         return self.num_layers * self.rows * self.dim * itemsize
@@ -67,6 +72,9 @@ class CacheSpec:
 
     def bytes_per_state_slot(self, itemsize: int) -> int:
         return sum(r.bytes_per_slot(itemsize) for r in self.rings)
+
+    def bytes_per_snapshot(self, itemsize: int) -> int:
+        return sum(r.bytes_per_slot(itemsize) for r in self.rings if r.at_boundary)
 
     def bytes_per_token(self, itemsize: int) -> float:
         """The paged part, per token of context."""

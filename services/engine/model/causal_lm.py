@@ -41,9 +41,11 @@ class MoECausalLM(nn.Module):
         """What the model keeps per token (paged groups) and per request (state rings)."""
         raise NotImplementedError
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_slots: int) -> Any:
-        """A zeroed cache of ``num_blocks`` blocks and ``num_slots`` state slots, passed to
-        ``forward`` as it is."""
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_slots: int, num_snapshots: int = 0
+    ) -> Any:
+        """A zeroed cache of ``num_blocks`` blocks, ``num_slots`` state slots and
+        ``num_snapshots`` snapshots of them, passed to ``forward`` as it is."""
         raise NotImplementedError
 
     def moe_layers(self) -> list[MoE]:

@@ -81,7 +81,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         return CacheSpec(groups=(PagedGroup("latent", c.num_hidden_layers, 1, c.kv_cache_dim),))
 
     def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, num_slots: int = 0
+        self, num_blocks: int, block_size: int, num_slots: int = 0, num_snapshots: int = 0
     ) -> torch.Tensor:
         """A zeroed latent cache: [num_layers, num_blocks, block_size, kv_lora_rank + rope_dim]
         (no state slots: V3 keeps nothing per request)."""

@@ -106,9 +106,15 @@ class DeepseekV4ForCausalLM(MoECausalLM):
     def cache_spec(self) -> CacheSpec:
         return v4_cache_spec(self.config)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_slots: int) -> V4KVCache:
-        """A zeroed cache: ``num_blocks`` paged blocks, ``num_slots`` state slots."""
-        return V4KVCache(self.config, num_blocks, block_size, num_slots, self.dtype, self.device)
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_slots: int, num_snapshots: int = 0
+    ) -> V4KVCache:
+        """A zeroed cache: ``num_blocks`` paged blocks, ``num_slots`` state slots and
+        ``num_snapshots`` snapshots of them."""
+        c = self.config
+        return V4KVCache(
+            c, num_blocks, block_size, num_slots, self.dtype, self.device, num_snapshots
+        )
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: V4KVCache
@@ -139,6 +145,7 @@ def _sequences(batch: ForwardBatch) -> list[Sequence]:
                 s.ctx_len - n,
                 s.block_ids,
                 s.state_slot,
+                s.snapshots,
             )
         )
     return seqs

@@ -35,6 +35,8 @@ class PrefillSpan:
     ctx_len: int  # context after this step, new tokens included
     block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] int64
     state_slot: int = -1  # DeepSeek-V4's per-request state; -1: none
+    # (position, snapshot id): copy the state slot into the snapshot at that many tokens
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,22 +70,25 @@ class ForwardBatch:
         attention: AttentionPath = "auto",
         device: torch.device | str = "cpu",
         state_slots: Sequence[int] | None = None,
+        snapshots: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> ForwardBatch:
         """Sequence i brings ``query_lens[i]`` new tokens after ``num_computed_tokens[i]`` cached
-        ones; ``block_tables[i]`` must cover all of them; ``state_slots[i]``: its state slot."""
+        ones; ``block_tables[i]`` must cover all of them; ``state_slots[i]``: its state slot;
+        ``snapshots[i]``: where its state is copied for the prefix cache."""
         if not len(query_lens) == len(num_computed_tokens) == len(block_tables):
             raise ValueError("query_lens, num_computed_tokens and block_tables differ in length")
         seq_slots = list(state_slots) if state_slots is not None else [-1] * len(query_lens)
         if len(seq_slots) != len(query_lens):
             raise ValueError("state_slots and query_lens differ in length")
+        seq_snaps = [tuple(x) for x in snapshots] if snapshots else [()] * len(query_lens)
         positions: list[int] = []
         slots: list[int] = []
         spans: list[PrefillSpan] = []
         dec_index: list[int] = []
         dec_tables: list[Sequence[int]] = []
         dec_lens: list[int] = []
-        for q_len, done, table, slot in zip(
-            query_lens, num_computed_tokens, block_tables, seq_slots, strict=True
+        for q_len, done, table, slot, snaps in zip(
+            query_lens, num_computed_tokens, block_tables, seq_slots, seq_snaps, strict=True
         ):
             ctx_len = done + q_len
             if q_len <= 0 or len(table) * block_size < ctx_len:
@@ -102,7 +107,7 @@ class ForwardBatch:
             else:
                 n_blocks = (ctx_len + block_size - 1) // block_size
                 ids = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
-                spans.append(PrefillSpan(start, start + q_len, ctx_len, ids, slot))
+                spans.append(PrefillSpan(start, start + q_len, ctx_len, ids, slot, snaps))
         decode = None
         if dec_index:
             width = max(len(t) for t in dec_tables)

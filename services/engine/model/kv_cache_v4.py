@@ -10,6 +10,8 @@ Rings, per state slot, a row per position ``p`` at ``p % rows``:
 - ``csa_rows`` / ``index_rows`` [CSA layers, slots, 2 * csa_rate, 2 * width]: the projected
   kv | gate rows a CSA entry still needs (its window and, for the overlap, the one before);
 - ``hca_rows`` [HCA layers, slots, hca_rate, 2 * head_dim]: the rows of the open HCA window.
+Snapshots (``snap_<ring>``, [layers, snapshots, rows, dim]) copy a slot's rings at a block
+boundary, but ``hca_rows``, empty there (the block size is a multiple of ``hca_rate``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def v4_cache_spec(c: V4ModelConfig) -> CacheSpec:
         StateRing("swa", c.num_hidden_layers, c.sliding_window, d),
         StateRing("csa_rows", n_csa, 2 * c.csa_rate, 4 * d),
         StateRing("index_rows", n_csa, 2 * c.csa_rate, 4 * di),
-        StateRing("hca_rows", n_hca, c.hca_rate, 2 * d),
+        StateRing("hca_rows", n_hca, c.hca_rate, 2 * d, at_boundary=False),
     ]
     return CacheSpec(
         groups=tuple(g for g in groups if g.num_layers),
@@ -55,6 +57,13 @@ class LayerCache:
     swa: torch.Tensor  # [slots, sliding_window, head_dim]
     compressor: CompressorCache | None
     indexer: CompressorCache | None
+    # (this layer's ring in slots, its snapshots) for each ring a snapshot copies
+    snapshot_pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """Copy ``slot``'s rings of this layer into ``snapshot``."""
+        for ring, snaps in self.snapshot_pairs:
+            snaps[snapshot].copy_(ring[slot])
 
 
 class V4KVCache:
@@ -66,6 +75,7 @@ class V4KVCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_snapshots: int = 0,
     ) -> None:
         spec = v4_cache_spec(config)
         spec.block_size(block_size)  # whole entries per block, or a clear error
@@ -75,23 +85,31 @@ class V4KVCache:
         for g in spec.groups:
             shape = (g.num_layers, num_blocks, block_size // g.tokens_per_entry, g.dim)
             self.tensors[g.name] = torch.zeros(shape, dtype=dtype, device=device)
+        self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
         for r in spec.rings:
             shape = (r.num_layers, num_slots, r.rows, r.dim)
             self.tensors[r.name] = torch.zeros(shape, dtype=dtype, device=device)
+            if r.at_boundary:
+                shape = (r.num_layers, num_snapshots, r.rows, r.dim)
+                self.tensors["snap_" + r.name] = torch.zeros(shape, dtype=dtype, device=device)
         self._csa = {layer: i for i, layer in enumerate(config.layer_ids(CSA))}
         self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
 
     def layer(self, layer_id: int) -> LayerCache:
         t = self.tensors
-        swa = t["swa"][layer_id]
+        index = {"swa": layer_id}
+        compressor = indexer = None
         if layer_id in self._csa:
-            i = self._csa[layer_id]
-            return LayerCache(
-                swa,
-                CompressorCache(t["csa_kv"][i], t["csa_rows"][i]),
-                CompressorCache(t["csa_index"][i], t["index_rows"][i]),
-            )
-        if layer_id in self._hca:
+            i = index["csa_rows"] = index["index_rows"] = self._csa[layer_id]
+            compressor = CompressorCache(t["csa_kv"][i], t["csa_rows"][i])
+            indexer = CompressorCache(t["csa_index"][i], t["index_rows"][i])
+        elif layer_id in self._hca:
             i = self._hca[layer_id]
-            return LayerCache(swa, CompressorCache(t["hca_kv"][i], t["hca_rows"][i]), None)
-        return LayerCache(swa, None, None)
+            compressor = CompressorCache(t["hca_kv"][i], t["hca_rows"][i])
+        pairs = tuple((t[n][i], t["snap_" + n][i]) for n, i in index.items())
+        return LayerCache(t["swa"][layer_id], compressor, indexer, pairs)
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Continue ``slot`` from ``snapshot``: copy its rings back, every layer."""
+        for name in self.snapshot_rings:
+            self.tensors[name][:, slot].copy_(self.tensors["snap_" + name][:, snapshot])

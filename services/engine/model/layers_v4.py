@@ -56,6 +56,27 @@ class Sequence:
     done: int
     block_ids: torch.Tensor  # int64, covering done + n tokens
     slot: int  # its state slot
+    # (position P, snapshot id): copy the slot's rings into the snapshot once P tokens are in
+    snapshots: tuple[tuple[int, int], ...] = ()
+
+    def pieces(self) -> list[tuple[Sequence, int | None]]:
+        """The sequence cut at its snapshot positions, each piece with the snapshot to take
+        after it (a layer runs the pieces in order, so a later piece reads what an earlier
+        one wrote, as the next step would)."""
+        out: list[tuple[Sequence, int | None]] = []
+        start = self.done
+        for pos, snap in sorted(self.snapshots):
+            out.append((self._piece(start, pos), snap))
+            start = pos
+        end = self.done + self.positions.shape[0]
+        if start < end or not out:
+            out.append((self._piece(start, end), None))
+        return out
+
+    def _piece(self, start: int, end: int) -> Sequence:
+        a, b = start - self.done, end - self.done
+        rows = slice(self.rows.start + a, self.rows.start + b)
+        return Sequence(rows, self.positions[a:b], start, self.block_ids, self.slot)
 
 
 def _ring_rows(ring: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -342,9 +363,12 @@ class V4Attention(nn.Module):
         kv = V4Rope.rotate(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]
         out = torch.empty_like(q)
         for seq in seqs:
-            r = seq.rows
-            keys, bias = self._context(x[r], kv[r], q_residual[r], seq, cache, rope)
-            out[r] = ops.sink_attention(q[r], keys, bias, self.sinks, self.softmax_scale)
+            for piece, snapshot in seq.pieces():
+                r = piece.rows
+                keys, bias = self._context(x[r], kv[r], q_residual[r], piece, cache, rope)
+                out[r] = ops.sink_attention(q[r], keys, bias, self.sinks, self.softmax_scale)
+                if snapshot is not None:
+                    cache.save(piece.slot, snapshot)
         out = V4Rope.rotate(out, cos, -sin)
         return self.o_b_proj(self.o_a_proj(out.view(n, self.o_groups, -1)))
 
