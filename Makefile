@@ -86,7 +86,8 @@ check-install:
 	for v in $(TRANSFORMERS_VERSIONS); do \
 	  $(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check "transformers==$$v" 2>&1 | $(QUIET); \
 	  $(CHECK_VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_model_parity.py \
-	    tests/unit/test_engine_parity.py tests/unit/test_mla_paths.py; done
+	    tests/unit/test_engine_parity.py tests/unit/test_mla_paths.py \
+	    tests/unit/test_model_parity_v4.py; done
 
 test: lint pytest
 

@@ -79,6 +79,29 @@ class Sequence:
         return Sequence(rows, self.positions[a:b], start, self.block_ids, self.slot)
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """B sequences that bring one token each, run at once (the decode path)."""
+
+    rows: torch.Tensor  # [B] their rows of the flat batch
+    positions: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B] state slots
+    block_tables: torch.Tensor  # [B, most blocks] int64, 0-padded
+    snapshots: list[tuple[int, int]]  # (state slot, snapshot id) to take after the token
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> DecodeStep:
+        device = seqs[0].positions.device
+        tables = torch.nn.utils.rnn.pad_sequence([s.block_ids for s in seqs], batch_first=True)
+        return cls(
+            torch.tensor([s.rows.start for s in seqs], device=device),
+            torch.cat([s.positions for s in seqs]),
+            torch.tensor([s.slot for s in seqs], device=device),
+            tables,
+            [(s.slot, snap) for s in seqs for _, snap in s.snapshots],
+        )
+
+
 def _ring_rows(ring: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Positions start .. end - 1 of a ring [rows, dim] (a copy: read before writing)."""
     return ring[torch.arange(start, end, device=ring.device) % ring.shape[0]]
@@ -207,23 +230,65 @@ class Compressor(nn.Module):
         rope: V4Rope,
     ) -> torch.Tensor:
         """Entries start_w .. end_w - 1 from rows kv, gate [*, width] of positions first ..."""
-        m, d = self.rate, self.head_dim
+        m = self.rate
         w = torch.arange(start_w, end_w, device=kv.device)
         idx = w[:, None] * m + torch.arange(m, device=kv.device) - first  # [windows, m]
-        cur_kv, cur_gate = kv[idx], gate[idx] + self.position_bias
+        prev = (idx - m).clamp(min=0)  # the window before (read only with the overlap)
+        return self._pool_windows(kv[idx], gate[idx], kv[prev], gate[prev], w, rope)
+
+    def _pool_windows(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        prev_kv: torch.Tensor,
+        prev_gate: torch.Tensor,
+        w: torch.Tensor,
+        rope: V4Rope,
+    ) -> torch.Tensor:
+        """Entries of windows ``w`` [N] from their rows kv, gate [N, rate, width] and, for the
+        overlap, the rows of the window before each (ignored for window 0)."""
+        m, d = self.rate, self.head_dim
+        gate = gate + self.position_bias
         if self.overlap:  # window w - 1's first series, then window w's second
-            prev = idx - m
-            prev_kv = kv[prev.clamp(min=0), :d]
-            prev_gate = (gate[prev.clamp(min=0)] + self.position_bias)[..., :d]
             none = (w == 0)[:, None, None]  # window 0 has no window before it
-            prev_kv = prev_kv.masked_fill(none, 0.0)
-            prev_gate = prev_gate.masked_fill(none, NEG_INF)
-            cur_kv = torch.cat((prev_kv, cur_kv[..., d:]), dim=1)  # [windows, 2m, d]
-            cur_gate = torch.cat((prev_gate, cur_gate[..., d:]), dim=1)
-        weights = cur_gate.softmax(dim=1, dtype=torch.float32).to(cur_kv.dtype)
-        pooled = self.kv_norm((cur_kv * weights).sum(dim=1))
+            prev_kv = prev_kv[..., :d].masked_fill(none, 0.0)
+            prev_gate = (prev_gate + self.position_bias)[..., :d].masked_fill(none, NEG_INF)
+            kv = torch.cat((prev_kv, kv[..., d:]), dim=1)  # [N, 2m, d]
+            gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.kv_norm((kv * weights).sum(dim=1))
         cos, sin = rope.cos_sin(w * m, "compress", pooled.dtype)
         return V4Rope.rotate(pooled[:, None], cos, sin)[:, 0]
+
+    def decode_entries(
+        self, x: torch.Tensor, step: DecodeStep, cache: CompressorCache, rope: V4Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``entries`` for B sequences of one new token each, at once: their rows x [B, hidden]
+        join their rings, the windows they complete are pooled into their blocks. Returns
+        every entry so far, padded [B, most, dim], and which are real [B, most]."""
+        m, width = self.rate, self.kv_proj.out_features
+        ring_size = cache.rows.shape[1]
+        pos, slots = step.positions, step.slots
+        rows = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1)
+        cache.rows[slots, pos % ring_size] = rows.to(cache.rows.dtype)
+        per_block = cache.entries.shape[1]
+        flat = cache.entries.view(-1, self.head_dim)
+        done = ((pos + 1) % m == 0).nonzero()[:, 0]
+        if done.numel():  # these close window w: its rows (and the window before) are in the ring
+            w = (pos[done] + 1) // m - 1
+            at = w[:, None] * m + torch.arange(m, device=x.device)  # [N, m] positions
+            ring = cache.rows[slots[done]]  # [N, ring rows, 2 * width]
+            cur = ring.gather(1, (at % ring_size)[..., None].expand(-1, -1, ring.shape[-1]))
+            prev = ring.gather(1, ((at - m) % ring_size)[..., None].expand(-1, -1, ring.shape[-1]))
+            pooled = self._pool_windows(
+                cur[..., :width], cur[..., width:], prev[..., :width], prev[..., width:], w, rope
+            )
+            blocks = step.block_tables[done].gather(1, (w // per_block)[:, None])[:, 0]
+            flat[blocks * per_block + w % per_block] = pooled
+        count = (pos + 1) // m
+        e = torch.arange(int(count.max()), device=x.device)
+        index = step.block_tables.gather(1, (e // per_block)[None, :].expand(len(pos), -1))
+        return flat[index * per_block + e % per_block], e[None, :] < count[:, None]
 
     def visible(self, positions: torch.Tensor, num_entries: int) -> torch.Tensor:
         """[n, num_entries] bool: entry w holds tokens up to (w + 1) * rate - 1, so query t
@@ -282,6 +347,29 @@ class Indexer(Compressor):
         total = total.masked_fill(~visible, NEG_INF)
         picks = total.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return torch.where(visible.gather(1, picks), picks, torch.full_like(picks, -1))
+
+    def decode_pick(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        step: DecodeStep,
+        cache: CompressorCache,
+        rope: V4Rope,
+    ) -> torch.Tensor:
+        """``pick`` for B sequences of one new token each: [B, most] bool, the chosen of each
+        one's entries (all of which it sees)."""
+        keys, real = self.decode_entries(x, step, cache, rope)
+        if keys.shape[1] == 0:
+            return real
+        n, d = x.shape[0], self.head_dim
+        q = self.q_b_proj(q_residual).view(n, self.heads, d)
+        q = V4Rope.rotate(q, *rope.cos_sin(step.positions, "compress", q.dtype))
+        scores = F.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * d**-0.5
+        weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [B, heads]
+        total = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~real, NEG_INF)
+        picks = total.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        chosen = torch.zeros_like(real)
+        return chosen.scatter_(1, picks, real.gather(1, picks))
 
 
 class CSACompressor(Compressor):
@@ -362,7 +450,17 @@ class V4Attention(nn.Module):
         q = V4Rope.rotate(q, cos, sin)
         kv = V4Rope.rotate(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]
         out = torch.empty_like(q)
-        for seq in seqs:
+        singles = [s for s in seqs if s.positions.shape[0] == 1]
+        if singles:  # decode tokens: one batched pass
+            step = DecodeStep.of(singles)
+            i = step.rows
+            keys, bias = self._decode_context(x[i], kv[i], q_residual[i], step, cache, rope)
+            out[i] = ops.sink_attention(q[i], keys, bias, self.sinks, self.softmax_scale)
+            for slot, snap in step.snapshots:
+                cache.save(slot, snap)
+        for seq in seqs:  # prefill chunks, one at a time
+            if seq.positions.shape[0] == 1:
+                continue
             for piece, snapshot in seq.pieces():
                 r = piece.rows
                 keys, bias = self._context(x[r], kv[r], q_residual[r], piece, cache, rope)
@@ -404,6 +502,32 @@ class V4Attention(nn.Module):
             chosen.scatter_(1, torch.where(picks >= 0, picks, spare), True)
             visible = chosen[:, :spare]
         return torch.cat((window, entries)), _bias(torch.cat((seen, visible), dim=1))
+
+    def _decode_context(
+        self,
+        x: torch.Tensor,
+        kv: torch.Tensor,
+        q_residual: torch.Tensor,
+        step: DecodeStep,
+        cache: LayerCache,
+        rope: V4Rope,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_context`` for B sequences of one token each: keys [B, keys, dim] per sequence (its
+        window ring, then its entries, padded) and the bias [B, keys]."""
+        pos, slots, size = step.positions, step.slots, cache.swa.shape[1]
+        cache.swa[slots, pos % size] = kv.to(cache.swa.dtype)
+        window = cache.swa[slots]  # [B, size, dim]: positions pos - size + 1 .. pos
+        ring_pos = pos[:, None] - (pos[:, None] - torch.arange(size, device=x.device)) % size
+        seen = ring_pos >= 0  # the rows of positions before 0 were never written
+        if self.compressor is None:
+            return window, _bias(seen)
+        assert cache.compressor is not None
+        entries, visible = self.compressor.decode_entries(x, step, cache.compressor, rope)
+        if isinstance(self.compressor, CSACompressor):  # before any entry too: its rows
+            assert cache.indexer is not None
+            indexer = self.compressor.indexer
+            visible = indexer.decode_pick(x, q_residual, step, cache.indexer, rope)
+        return torch.cat((window, entries), dim=1), _bias(torch.cat((seen, visible), dim=1))
 
 
 def _bias(seen: torch.Tensor) -> torch.Tensor:
