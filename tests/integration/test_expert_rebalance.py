@@ -1,6 +1,8 @@
 """Live expert rebalancing between real processes (gloo on 127.0.0.1): DEP engines that switch
 to a new placement in the middle of generating keep giving the single-process engine's greedy
-tokens, end up holding exactly the weights the new placement names, and report what moved."""
+tokens, end up holding exactly the weights the new placement names, and report what moved.
+DeepSeek-V3 (`tiny`) and DeepSeek-V4 (`v4-tiny`: its hash-routed layers are placed and moved as
+the others, though nothing steers them)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,14 @@ from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.expert_rebalance import Move, OrderRejected, PlacementOrder, layer_moves
 from ferry.services.engine.experts import ExpertPlacement
 
-NUM_EXPERTS, MOE_LAYERS, REDUNDANT = 16, 3, 2  # the tiny preset, two extra slots
+NUM_EXPERTS, REDUNDANT = 16, 2  # the tiny presets, two extra slots
+MOE_LAYERS = {"tiny": 3, "v4-tiny": 4}
 
 
-def shuffled(seed: int) -> torch.Tensor:
+def shuffled(seed: int, name: str = "tiny") -> torch.Tensor:
     """A slot map per MoE layer: every expert once, two of them twice, in a seeded order."""
     rows = []
-    for layer in range(MOE_LAYERS):
+    for layer in range(MOE_LAYERS[name]):
         gen = torch.Generator().manual_seed(seed + layer)
         extra = torch.randperm(NUM_EXPERTS, generator=gen)[:REDUNDANT]
         logical = torch.cat([torch.arange(NUM_EXPERTS), extra])
@@ -27,15 +30,15 @@ def shuffled(seed: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _rank(rank: int, size: int, master: str) -> None:
+def _rank(rank: int, size: int, master: str, name: str) -> None:
     from ferry.services.engine import Engine, EngineConfig, SamplingParams
     from ferry.services.engine.model import load_model
 
     torch.set_num_threads(1)
     group = EPGroup.init(size, rank, master, timeout_s=60)
     try:
-        config = EngineConfig(model="tiny", block_size=16, num_kv_blocks=128, router_skew=0.3)
-        start = ExpertPlacement(shuffled(1), NUM_EXPERTS, size, rank)
+        config = EngineConfig(model=name, block_size=16, num_kv_blocks=128, router_skew=0.3)
+        start = ExpertPlacement(shuffled(1, name), NUM_EXPERTS, size, rank)
         engine = Engine(config, start, group)
         prompts = [[(11 * i + 5 * k + rank) % 250 + 1 for k in range(5 + 9 * i)] for i in range(6)]
         params = [
@@ -44,7 +47,7 @@ def _rank(rank: int, size: int, master: str) -> None:
         ]
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
-        target = shuffled(50)
+        target = shuffled(50, name)
         outputs: dict[str, list[int]] = {}
         assert engine.rebalancer is not None
         steps, fut = 0, None
@@ -63,22 +66,22 @@ def _rank(rank: int, size: int, master: str) -> None:
         # the weights are those of a model loaded with the new placement
         now = engine.model.placement
         assert torch.equal(now.slot_to_logical, target)
-        fresh = load_model("tiny", placement=ExpertPlacement(target, NUM_EXPERTS, size, rank))
+        fresh = load_model(name, placement=ExpertPlacement(target, NUM_EXPERTS, size, rank))
         for got, want in zip(engine.model.model.layers, fresh.model.layers, strict=True):
             if hasattr(got.mlp, "experts"):
                 assert torch.equal(got.mlp.experts.w13, want.mlp.experts.w13)
                 assert torch.equal(got.mlp.experts.w2, want.mlp.experts.w2)
-        changed = (shuffled(1) != target)[:, list(now.local_slots)].sum().item()
+        changed = (shuffled(1, name) != target)[:, list(now.local_slots)].sum().item()
         assert stats.slots_moved == changed and stats.bytes_received > 0
         assert engine.rebalancer.version == 1
     finally:
         group.close()
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_dep_engines_switch_placement_while_generating(size: int) -> None:
+@pytest.mark.parametrize(("size", "name"), [(2, "tiny"), (3, "tiny"), (2, "v4-tiny")])
+def test_dep_engines_switch_placement_while_generating(size: int, name: str) -> None:
     master = f"127.0.0.1:{free_port()}"
-    mp.spawn(_rank, args=(size, master), nprocs=size, join=True)
+    mp.spawn(_rank, args=(size, master, name), nprocs=size, join=True)
 
 
 def test_layer_moves_copy_locally_when_they_can() -> None:
