@@ -111,6 +111,17 @@ def test_engine_greedy_matches_generate(ckpt: Path, hf: Any) -> None:
     engine.check_integrity()
 
 
+def test_v4_tiny_greedy_does_not_change_with_batch_composition() -> None:
+    """The preset cluster tests compare against: its margins hold when prompts share steps."""
+    prompts = [[(11 * i + 5 * k) % 250 + 1 for k in range(5 + 9 * i)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    together = Engine(EngineConfig(model="v4-tiny")).generate(prompts, params)
+    alone = Engine(EngineConfig(model="v4-tiny"))
+    assert [o.token_ids for o in together] == [
+        alone.generate([p], params)[0].token_ids for p in prompts
+    ]
+
+
 def test_engine_greedy_with_preemption_forced(ckpt: Path, hf: Any) -> None:
     """A cache too small for every sequence at once: sequences are preempted and recomputed
     from their tokens (their state slots rebuilt), and the outputs do not change."""

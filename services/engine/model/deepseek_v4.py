@@ -11,17 +11,11 @@ from torch import nn
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.causal_lm import MoECausalLM
+from ferry.services.engine.model.compressors_v4 import Sequence, V4RMSNorm
 from ferry.services.engine.model.config_v4 import V4ModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
 from ferry.services.engine.model.kv_cache_v4 import LayerCache, V4KVCache, v4_cache_spec
-from ferry.services.engine.model.layers_v4 import (
-    HyperConnection,
-    HyperHead,
-    Sequence,
-    V4Attention,
-    V4MoE,
-    V4RMSNorm,
-)
+from ferry.services.engine.model.layers_v4 import HyperConnection, HyperHead, V4Attention, V4MoE
 from ferry.services.engine.model.rope import V4Rope
 
 # Parameters kept in float32 whatever the model's dtype, as transformers keeps them (its
