@@ -20,7 +20,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -38,20 +38,42 @@ KV_EVENTS_MAXLEN = 100_000
 
 @dataclass(frozen=True)
 class KvEvents:
-    """One ``kv-events`` entry: ``worker_id``'s cache changes, in order."""
+    """One ``kv-events`` entry: ``worker_id``'s cache changes, in order. A worker whose model
+    keeps per-request state (``stateful``: DeepSeek-V4) also reports its state snapshots, by
+    the hash of the block they end: it serves a prefix hit only up to a block that has one."""
 
     worker_id: str
     events: list[tuple[bool, int]]  # (stored, block hash); False: removed
     cleared: bool = False  # the worker's cache was emptied before these events
+    snapshots: list[tuple[bool, int]] = field(default_factory=list)  # (kept, block hash)
+    stateful: bool = False
 
     def encode(self) -> dict[str, str]:
-        events = " ".join(f"{'+' if stored else '-'}{h:x}" for stored, h in self.events)
-        return {"worker": self.worker_id, "cleared": "1" if self.cleared else "0", "events": events}
+        return {
+            "worker": self.worker_id,
+            "cleared": "1" if self.cleared else "0",
+            "events": _encode_events(self.events),
+            "snapshots": _encode_events(self.snapshots),
+            "stateful": "1" if self.stateful else "0",
+        }
 
     @classmethod
     def decode(cls, fields: dict[str, str]) -> KvEvents:
-        events = [(e[0] == "+", int(e[1:], 16)) for e in fields.get("events", "").split()]
-        return cls(fields["worker"], events, fields.get("cleared") == "1")
+        return cls(
+            fields["worker"],
+            _decode_events(fields.get("events", "")),
+            fields.get("cleared") == "1",
+            _decode_events(fields.get("snapshots", "")),
+            fields.get("stateful") == "1",
+        )
+
+
+def _encode_events(events: list[tuple[bool, int]]) -> str:
+    return " ".join(f"{'+' if stored else '-'}{h:x}" for stored, h in events)
+
+
+def _decode_events(text: str) -> list[tuple[bool, int]]:
+    return [(e[0] == "+", int(e[1:], 16)) for e in text.split()]
 
 
 @dataclass(frozen=True)

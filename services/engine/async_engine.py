@@ -144,6 +144,15 @@ class AsyncEngine:
         """(stored, block hash) since the last call; ``snapshot``: every hash held now."""
         return self._engine.kv.take_events(snapshot)
 
+    def take_snapshot_events(self, snapshot: bool = False) -> list[tuple[bool, int]]:
+        """The state-snapshot events since the last call (see KVCacheManager); thread-safe."""
+        return self._engine.kv.take_snapshot_events(snapshot)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether a prefix hit here needs a state snapshot (the model keeps per-request state)."""
+        return self._engine.kv.num_state_slots > 0
+
     def expert_load(self) -> ExpertLoadSnapshot:
         eng = self._engine
         load = eng.expert_load

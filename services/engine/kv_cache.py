@@ -112,6 +112,8 @@ class KVCacheManager:
         self.num_snapshots = num_snapshots if enable_prefix_caching else 0
         self.free_snapshots = list(range(self.num_snapshots))
         self.snapshots: OrderedDict[int, int] = OrderedDict()  # block hash -> id, LRU first
+        # (True: kept, False: dropped; the block hash) in order, while a worker follows them
+        self.snapshot_events: deque[tuple[bool, int]] | None = None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt or DEFAULT_SALT
@@ -134,6 +136,8 @@ class KVCacheManager:
         with self.lock:
             if self.pool.events is None:
                 self.pool.events = deque()
+            if self.snapshot_events is None:
+                self.snapshot_events = deque()
 
     def take_events(self, snapshot: bool = False) -> list[tuple[bool, int]]:
         """The KV events since the last call, oldest first: (stored, block hash). With
@@ -147,6 +151,18 @@ class KVCacheManager:
                 events = list(pool.events or ())
             if pool.events is not None:
                 pool.events.clear()
+        return events
+
+    def take_snapshot_events(self, snapshot: bool = False) -> list[tuple[bool, int]]:
+        """As :meth:`take_events`, for the state snapshots: (kept, hash of the block they end);
+        with ``snapshot``, every snapshot kept now."""
+        with self.lock:
+            if snapshot:
+                events = [(True, h) for h in self.snapshots]
+            else:
+                events = list(self.snapshot_events or ())
+            if self.snapshot_events is not None:
+                self.snapshot_events.clear()
         return events
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -241,7 +257,9 @@ class KVCacheManager:
                 return self.free_snapshots.pop()
             if not self.snapshots:
                 return None
-            _, snap = self.snapshots.popitem(last=False)
+            block_hash, snap = self.snapshots.popitem(last=False)
+            if self.snapshot_events is not None:
+                self.snapshot_events.append((False, block_hash))
             return snap
 
     def keep_snapshot(self, block_hash: int | None, snap: int) -> None:
@@ -252,6 +270,8 @@ class KVCacheManager:
                 self.free_snapshots.append(snap)
             else:
                 self.snapshots[block_hash] = snap
+                if self.snapshot_events is not None:
+                    self.snapshot_events.append((True, block_hash))
 
     # ---- references held outside requests (KV transfer) -----------------------------------
     def hold(self, key: str, block_ids: list[int]) -> None:

@@ -2,6 +2,10 @@
 workers publish (like Dynamo's KV router's radix index, flattened: a block hash chains every
 token before it, so one hash names a whole prefix).
 
+A worker whose model keeps per-request state (DeepSeek-V4: ``KvEvents.stateful``) serves a hit only
+up to a block whose end it kept a state snapshot of; it reports those too, and its overlap ends at
+the last such block of the prefix it holds.
+
 The index is a routing hint, not the truth: events arrive up to a publishing period late and
 can be lost while Redis is away (the worker then starts over with a snapshot). A wrong hint
 costs a cache miss, never a wrong answer: the worker matches prefixes itself.
@@ -26,11 +30,19 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}  # block hash -> workers that hold it
         self._held: dict[str, set[int]] = {}  # worker -> block hashes it holds
         self._heard: dict[str, float] = {}  # worker -> monotonic time of its last events
+        self._snapshots: dict[str, set[int]] = {}  # stateful worker -> blocks ending a snapshot
 
     def apply(self, batch: KvEvents) -> None:
         if batch.cleared:
             self.forget(batch.worker_id)
         self._heard[batch.worker_id] = time.monotonic()
+        if batch.stateful:
+            snaps = self._snapshots.setdefault(batch.worker_id, set())
+            for kept, block_hash in batch.snapshots:
+                if kept:
+                    snaps.add(block_hash)
+                else:
+                    snaps.discard(block_hash)
         held = self._held.setdefault(batch.worker_id, set())
         for stored, block_hash in batch.events:
             if stored:
@@ -45,6 +57,7 @@ class PrefixIndex:
 
     def forget(self, worker_id: str) -> None:
         self._heard.pop(worker_id, None)
+        self._snapshots.pop(worker_id, None)
         for block_hash in self._held.pop(worker_id, ()):
             holders = self._holders[block_hash]
             holders.discard(worker_id)
@@ -62,7 +75,8 @@ class PrefixIndex:
 
     def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """For each worker that holds the first block: how many leading blocks of the prompt
-        (given by their chained hashes) it holds."""
+        (given by their chained hashes) it holds; for a stateful worker, up to the last of them
+        it kept a state snapshot at."""
         if not block_hashes:
             return {}
         counts = dict.fromkeys(self._holders.get(block_hashes[0], ()), 1)
@@ -73,6 +87,12 @@ class PrefixIndex:
                 break
             for worker_id in live:
                 counts[worker_id] += 1
+        for worker_id, snaps in self._snapshots.items():
+            if worker_id in counts:
+                held = counts[worker_id]
+                counts[worker_id] = next(
+                    (k for k in range(held, 0, -1) if block_hashes[k - 1] in snaps), 0
+                )
         return counts
 
     def num_blocks(self, worker_id: str) -> int:

@@ -151,12 +151,14 @@ class EngineWorker(Service):
         schedulers' prefix indexes. The first entry, and the first after Redis was away (its
         events were lost), starts over: ``cleared`` with every hash the cache holds now."""
         start_over = True
+        stateful = self.engine.stateful
         while True:
             events = self.engine.take_kv_events(snapshot=start_over)
-            if events or start_over:
+            snaps = self.engine.take_snapshot_events(snapshot=start_over)
+            if events or snaps or start_over:
                 try:
                     await self.cluster.publish_kv_events(
-                        KvEvents(self.worker_id, events, cleared=start_over)
+                        KvEvents(self.worker_id, events, start_over, snaps, stateful)
                     )
                     start_over = False
                 except ClusterStateError:

@@ -190,6 +190,21 @@ def test_a_prefix_hit_continues_from_the_snapshot_exactly(ckpt: Path, hf: Any) -
         warm.check_integrity()
 
 
+def test_snapshots_are_reported_for_the_prefix_index(ckpt: Path) -> None:
+    """A worker follows its engine's snapshot events: kept under the hash of the block they
+    end, dropped when the least recently used one is taken for another."""
+    engine = _engine(ckpt, block_size=BLOCK, max_num_seqs=1)
+    engine.kv.record_events()
+    a, b = _prompt(40, 80), _prompt(40, 81)
+    engine.generate([a], GREEDY)
+    (kept,) = engine.kv.take_snapshot_events()
+    assert kept == (True, engine.kv.match_prefix(make_request("x", a))[1][-1])
+    engine.generate([b], GREEDY)
+    events = engine.kv.take_snapshot_events()
+    assert events[0] == (False, kept[1]) and events[1][0] is True
+    assert engine.kv.take_snapshot_events(snapshot=True) == [events[1]]
+
+
 def test_blocks_without_their_snapshot_are_no_hit(ckpt: Path) -> None:
     """One snapshot (max_num_seqs=1): a second prompt's takes it, so the first prompt, its
     blocks still cached, is computed again from the start; the second one hits."""

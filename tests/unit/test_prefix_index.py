@@ -84,3 +84,25 @@ def test_a_worker_heard_only_starting_is_forgotten_once_gone() -> None:
     assert index.workers() == {"p9"}
     index.retain(set(), now=time.monotonic() + 6)
     assert index.workers() == set()
+
+
+def test_a_stateful_workers_overlap_ends_at_its_last_snapshot() -> None:
+    """DeepSeek-V4's workers serve a hit only up to a block whose end has a state snapshot:
+    the index counts a stateful worker's blocks only that far, and follows the snapshots it
+    keeps and drops; a stateless worker's count is its blocks."""
+    hashes = list(prefix_hashes(list(range(20)), BS))  # 5 blocks
+    index = PrefixIndex()
+    v4 = KvEvents("v4", [(True, h) for h in hashes], True, [(True, hashes[1])], stateful=True)
+    v3 = KvEvents("v3", [(True, h) for h in hashes[:3]], True)
+    for batch in (v4, v3):
+        index.apply(KvEvents.decode(batch.encode()))
+    assert index.overlap(hashes) == {"v4": 2, "v3": 3}
+    index.apply(KvEvents("v4", [], snapshots=[(True, hashes[3])], stateful=True))
+    assert index.overlap(hashes)["v4"] == 4
+    assert index.overlap(hashes[:3])["v4"] == 2  # a shorter prompt: its own last snapshot
+    index.apply(
+        KvEvents("v4", [], snapshots=[(False, hashes[1]), (False, hashes[3])], stateful=True)
+    )
+    assert index.overlap(hashes)["v4"] == 0
+    batch = KvEvents("w", [(True, 5)], False, [(True, 7), (False, 9)], stateful=True)
+    assert KvEvents.decode(batch.encode()) == batch
