@@ -26,12 +26,17 @@ class MoECausalLM(nn.Module):
     lm_head: nn.Linear
     attention_path: AttentionPath = "auto"  # how the engine builds its ForwardBatch
 
-    def __init__(self, num_moe_layers: int, placement: ExpertPlacement) -> None:
+    def __init__(self, config: AnyModelConfig, placement: ExpertPlacement | None) -> None:
+        """``placement``: which experts this rank holds; None: every one, once."""
         super().__init__()
-        if placement.num_moe_layers != num_moe_layers:
+        layers = config.num_moe_layers
+        if placement is None:
+            placement = ExpertPlacement.identity(layers, config.n_routed_experts)
+        if placement.num_moe_layers != layers:
             raise ValueError(
-                f"placement covers {placement.num_moe_layers} MoE layers, model has {num_moe_layers}"
+                f"placement covers {placement.num_moe_layers} MoE layers, model has {layers}"
             )
+        self.config = config
         self.placement = placement
 
     def decoder_layers(self) -> Iterable[nn.Module]:

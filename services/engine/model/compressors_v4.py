@@ -93,6 +93,21 @@ class DecodeStep:
         )
 
 
+@dataclass(frozen=True)
+class V4Batch:
+    """A forward's sequences as every layer runs them, split once: the one-token ones as one
+    ``DecodeStep``, the prefill chunks one by one."""
+
+    decode: DecodeStep | None
+    chunks: list[Sequence]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> V4Batch:
+        singles = [s for s in seqs if s.positions.shape[0] == 1]
+        chunks = [s for s in seqs if s.positions.shape[0] > 1]
+        return cls(DecodeStep.of(singles) if singles else None, chunks)
+
+
 def ring_rows(ring: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Positions start .. end - 1 of a ring [rows, dim] (a copy: read before writing)."""
     return ring[torch.arange(start, end, device=ring.device) % ring.shape[0]]

@@ -64,11 +64,8 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     config: ModelConfig
 
     def __init__(self, config: ModelConfig, placement: ExpertPlacement | None = None) -> None:
-        if placement is None:
-            placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
-        super().__init__(config.num_moe_layers, placement)
-        self.config = config
-        self.model = DeepseekV3Model(config, placement)
+        super().__init__(config, placement)
+        self.model = DeepseekV3Model(config, self.placement)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = RotaryEmbedding(config)
 

@@ -11,7 +11,7 @@ from torch import nn
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.compressors_v4 import Sequence, V4RMSNorm
+from ferry.services.engine.model.compressors_v4 import Sequence, V4Batch, V4RMSNorm
 from ferry.services.engine.model.config_v4 import V4ModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
 from ferry.services.engine.model.kv_cache_v4 import LayerCache, V4KVCache, v4_cache_spec
@@ -51,13 +51,13 @@ class V4DecoderLayer(nn.Module):
         streams: torch.Tensor,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        seqs: list[Sequence],
+        batch: V4Batch,
         cache: LayerCache,
         rope: V4Rope,
     ) -> torch.Tensor:
         """streams: [T, hc_mult, hidden] -> the same, after attention and MoE."""
         post, comb, x = self.attn_hc(streams)
-        x = self.self_attn(self.input_layernorm(x), positions, seqs, cache, rope)
+        x = self.self_attn(self.input_layernorm(x), positions, batch, cache, rope)
         streams = HyperConnection.expand(streams, x, post, comb)
         post, comb, x = self.ffn_hc(streams)
         x = self.mlp(self.post_attention_layernorm(x), input_ids)
@@ -86,11 +86,8 @@ class DeepseekV4ForCausalLM(MoECausalLM):
     attention_path: AttentionPath = "expanded"
 
     def __init__(self, config: V4ModelConfig, placement: ExpertPlacement | None = None) -> None:
-        if placement is None:
-            placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
-        super().__init__(config.num_moe_layers, placement)
-        self.config = config
-        self.model = DeepseekV4Model(config, placement)
+        super().__init__(config, placement)
+        self.model = DeepseekV4Model(config, self.placement)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = V4Rope(config)
 
@@ -115,12 +112,12 @@ class DeepseekV4ForCausalLM(MoECausalLM):
     ) -> torch.Tensor:
         """input_ids: [num_tokens]; every sequence of ``batch`` on the expanded path with its
         state slot. Returns the final hidden states [num_tokens, hidden]."""
-        seqs = _sequences(batch)
+        parts = V4Batch.of(_sequences(batch))
         streams = self.model.embed_tokens(input_ids)[:, None, :]
         streams = streams.expand(-1, self.config.hc_mult, -1).contiguous()
         for layer_id, layer in enumerate(self.model.layers):
             cache = kv_cache.layer(layer_id)
-            streams = layer(streams, input_ids, batch.positions, seqs, cache, self.rope)
+            streams = layer(streams, input_ids, batch.positions, parts, cache, self.rope)
         return self.model.norm(self.model.hc_head(streams))
 
 

@@ -94,8 +94,13 @@ class V4KVCache:
                 self.tensors["snap_" + r.name] = torch.zeros(shape, dtype=dtype, device=device)
         self._csa = {layer: i for i, layer in enumerate(config.layer_ids(CSA))}
         self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
+        # the views each layer reads, made once: the tensors never move
+        self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
 
     def layer(self, layer_id: int) -> LayerCache:
+        return self.layers[layer_id]
+
+    def _layer(self, layer_id: int) -> LayerCache:
         t = self.tensors
         index = {"swa": layer_id}
         compressor = indexer = None

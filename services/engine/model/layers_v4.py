@@ -29,6 +29,7 @@ from ferry.services.engine.model.compressors_v4 import (
     DecodeStep,
     HCACompressor,
     Sequence,
+    V4Batch,
     V4RMSNorm,
     ring_keep,
     ring_rows,
@@ -153,7 +154,7 @@ class V4Attention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        seqs: list[Sequence],
+        batch: V4Batch,
         cache: LayerCache,
         rope: V4Rope,
     ) -> torch.Tensor:
@@ -166,17 +167,14 @@ class V4Attention(nn.Module):
         q = V4Rope.rotate(q, cos, sin)
         kv = V4Rope.rotate(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]
         out = torch.empty_like(q)
-        singles = [s for s in seqs if s.positions.shape[0] == 1]
-        if singles:  # decode tokens: one batched pass
-            step = DecodeStep.of(singles)
+        step = batch.decode
+        if step is not None:  # decode tokens: one batched pass
             i = step.rows
             keys, bias = self._decode_context(x[i], kv[i], q_residual[i], step, cache, rope)
             out[i] = ops.sink_attention(q[i], keys, bias, self.sinks, self.softmax_scale)
             for slot, snap in step.snapshots:
                 cache.save(slot, snap)
-        for seq in seqs:  # prefill chunks, one at a time
-            if seq.positions.shape[0] == 1:
-                continue
+        for seq in batch.chunks:  # prefill chunks, one at a time
             for piece, snapshot in seq.pieces():
                 r = piece.rows
                 keys, bias = self._context(x[r], kv[r], q_residual[r], piece, cache, rope)

@@ -67,7 +67,7 @@ def build_empty_model(
 ) -> MoECausalLM:
     """Uninitialised parameters in ``dtype``; the router stays float32, and so do the
     parameters DeepSeek-V4 keeps in float32 (``KEEP_FP32``)."""
-    if placement is None:
+    if placement is None:  # made here, not under the meta device: it checks its values
         placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
     model: MoECausalLM
     with torch.device("meta"):
@@ -93,16 +93,11 @@ KEEP_FP32_RE = re.compile(r"(^|\.)(" + "|".join(KEEP_FP32) + r")(\.|$)")
 class _Targets:
     """Where each checkpoint tensor goes in the model: a parameter, or expert slot rows."""
 
-    def __init__(self, model: MoECausalLM, config: AnyModelConfig) -> None:
-        self.config = config
+    def __init__(self, model: MoECausalLM) -> None:
+        self.config = config = model.config
         self.placement = model.placement
         self.state = dict(model.named_parameters()) | dict(model.named_buffers())
-        self.expected = (
-            v4_names.v4_checkpoint_shapes(config)
-            if isinstance(config, V4ModelConfig)
-            else checkpoint_shapes(config)
-        )
-        self.kind = "deepseek_v4" if isinstance(config, V4ModelConfig) else "deepseek_v3"
+        self.expected = _checkpoint_shapes(config)
         self.seen: set[str] = set()
         moe_ids = config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(moe_ids)}
@@ -117,7 +112,7 @@ class _Targets:
         if want is None:
             raise LoaderError(
                 f"{file}: unknown tensor '{name}' for a {self.config.num_hidden_layers}-layer "
-                f"{self.kind}"
+                f"{self.config.model_type}"
             )
         if tuple(tensor.shape) != want:
             raise LoaderError(
@@ -229,6 +224,13 @@ def _read_tensors(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, tor
             yield name, tensor, file
 
 
+def _checkpoint_shapes(config: AnyModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for ``config`` holds, by Ferry's name."""
+    if isinstance(config, V4ModelConfig):
+        return v4_names.v4_checkpoint_shapes(config)
+    return checkpoint_shapes(config)
+
+
 def _ignored(name: str, config: AnyModelConfig) -> bool:
     if isinstance(config, V4ModelConfig):
         return v4_names.is_ignored(name)
@@ -276,12 +278,9 @@ def _scale_names(name: str) -> list[str]:
 
 
 def load_weights(
-    model: MoECausalLM,
-    config: AnyModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor, str]],
-    where: str,
+    model: MoECausalLM, tensors: Iterable[tuple[str, torch.Tensor, str]], where: str
 ) -> MoECausalLM:
-    targets = _Targets(model, config)
+    targets = _Targets(model)
     for name, tensor, file in tensors:
         targets.load(name, tensor, file)
     targets.finish(where)
@@ -297,7 +296,7 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)
     model = build_empty_model(config, dtype, device, placement)
-    return load_weights(model, config, _read_tensors(path, config), str(path))
+    return load_weights(model, _read_tensors(path, config), str(path))
 
 
 def load_preset(
@@ -309,7 +308,7 @@ def load_preset(
     preset = PRESETS[name]
     model = build_empty_model(preset.config, dtype, device, placement)
     tensors = ((n, t, f"preset:{name}") for n, t in random_state_dict(preset).items())
-    return load_weights(model, preset.config, tensors, f"preset:{name}")
+    return load_weights(model, tensors, f"preset:{name}")
 
 
 def save_checkpoint(
@@ -364,11 +363,7 @@ def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
     trivial values, and a token-to-experts table (distinct experts per token)."""
     gen = torch.Generator().manual_seed(preset.seed)
     config = preset.config
-    shapes = (
-        v4_names.v4_checkpoint_shapes(config)
-        if isinstance(config, V4ModelConfig)
-        else checkpoint_shapes(config)
-    )
+    shapes = _checkpoint_shapes(config)
     out: dict[str, torch.Tensor] = {}
     for name, shape in sorted(shapes.items()):
         leaf = name.rsplit(".", 1)[-1]
