@@ -26,10 +26,12 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "make: installed"
 
+# redis-server, and setpriv (util-linux), which starts ferry up's children to die with it
 redis:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server (apt-get)"; \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
+	@command -v redis-server >/dev/null && command -v setpriv >/dev/null || { \
+	  echo "installing redis-server and util-linux (apt-get)"; \
+	  apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server util-linux; }
 
 # Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale). The .proto
 # files are read as ferry/protos/*.proto, so the generated code imports `ferry.protos`.

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
+import shutil
+import subprocess
+from typing import Any
 
-PR_SET_PDEATHSIG = 1
+# The kernel sends SIGTERM to the child when the thread that started it exits (PR_SET_PDEATHSIG):
+# start children from a long-lived thread. setpriv (util-linux) sets it just before it execs the
+# command. A preexec_fn would do the same, but it makes CPython fork() rather than vfork(), and
+# since grpcio 1.81 a fork of a process that has gRPC running restarts gRPC's poller in the child,
+# which aborts when close_fds closes its epoll fd before the exec (grpc/grpc#43055).
+_SETPRIV = shutil.which("setpriv")
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for Popen: the kernel sends SIGTERM to the child when its parent exits.
-
-    (Strictly, when the thread that forked it exits: start children from a long-lived thread.)
-    """
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def popen_dying_with_parent(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(cmd, **kwargs)`` for a child that gets SIGTERM when we exit."""
+    if _SETPRIV is None:
+        raise RuntimeError("setpriv (util-linux) is not installed: apt-get install util-linux")
+    return subprocess.Popen([_SETPRIV, "--pdeathsig", "TERM", "--", *cmd], **kwargs)

@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferry.infra.children import die_with_parent
+from ferry.infra.children import popen_dying_with_parent
 from ferry.infra.ports import free_port, listens, reserve
 from ferry.infra.redis_server import redis_answers, redis_command, start_redis
 from ferry.infra.restarts import Backoff, RestartPolicy
@@ -454,7 +454,7 @@ def _popen(
     ``env``: variables on top of ours."""
     stdout = subprocess.DEVNULL if quiet else None
     full = {**os.environ, **env} if env else None
-    return subprocess.Popen(cmd, stdout=stdout, preexec_fn=die_with_parent, env=full)
+    return popen_dying_with_parent(cmd, stdout=stdout, env=full)
 
 
 def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:

@@ -9,7 +9,7 @@ import time
 
 import redis
 
-from ferry.infra.children import die_with_parent
+from ferry.infra.children import popen_dying_with_parent
 
 
 def redis_command(port: int, host: str = "127.0.0.1") -> list[str]:
@@ -53,7 +53,7 @@ def start_redis(
 ) -> subprocess.Popen[bytes]:
     """Start ``redis-server`` (no persistence) and wait until it answers PING."""
     cmd = redis_command(port, host)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    proc = popen_dying_with_parent(cmd, stdout=subprocess.DEVNULL)
     client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5)
     deadline = time.monotonic() + timeout
     try:
