@@ -177,13 +177,6 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     for role in ("gateway", "scheduler", "eplb"):
         _check_serve_flags(role, serve_args[role], "flags")
     aggregated = args.aggregated
-    if not aggregated and args.prefill is None and args.decode is None and _keeps_state(args):
-        aggregated = 1
-        print(
-            "ferry up: DeepSeek-V4 runs aggregated (one engine prefills and decodes): "
-            "prefill/decode hand-offs do not carry its per-request state yet",
-            file=sys.stderr,
-        )
     return ClusterSpec(
         prefill=_pd_count(args.prefill, aggregated),
         decode=_pd_count(args.decode, aggregated),
@@ -219,23 +212,6 @@ def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
         _role_config(args)
     except ValueError as e:
         raise ValueError(f"{source}: `ferry serve {role}` would refuse them: {e}") from None
-
-
-def _keeps_state(args: argparse.Namespace) -> bool:
-    """Whether the model keeps per-request state beside its KV blocks (DeepSeek-V4); a model
-    that cannot be read is left to the workers to refuse, with their message."""
-    import json
-    from pathlib import Path
-
-    from ferry.services.engine.model.config_v4 import config_from_hf_dict
-
-    if args.model in PRESETS:
-        return PRESETS[args.model].config.model_type == "deepseek_v4"
-    try:
-        raw = json.loads((Path(args.model) / "config.json").read_text())
-        return config_from_hf_dict(raw).model_type == "deepseek_v4"
-    except (OSError, ValueError):
-        return False
 
 
 def _pd_count(given: int | None, aggregated: int) -> int:

@@ -34,36 +34,14 @@ import torch
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model import PRESETS, export_preset
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
-from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, V4ModelConfig
+from ferry.services.engine.model.config_v4 import V4ModelConfig
+from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
 from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
 
 # the full-size models the presets stand for (shapes only): DeepSeek-V3 and V4-Flash, bf16
 FULL_SIZE = {
     "deepseek-v3 (bf16)": CacheSpec((PagedGroup("latent", 61, 1, 512 + 64),)),
-    "deepseek-v4-flash (bf16)": v4_cache_spec(
-        V4ModelConfig(
-            vocab_size=129280,
-            hidden_size=4096,
-            moe_intermediate_size=2048,
-            num_hidden_layers=43,
-            num_attention_heads=64,
-            head_dim=512,
-            qk_rope_head_dim=64,
-            q_lora_rank=1024,
-            layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 20 + (CSA,),
-            mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 40,
-            csa_rate=4,
-            hca_rate=128,
-            sliding_window=128,
-            o_groups=8,
-            o_lora_rank=1024,
-            index_n_heads=64,
-            index_head_dim=128,
-            index_topk=512,
-            n_routed_experts=256,
-            num_experts_per_tok=6,
-        )
-    ),
+    "deepseek-v4-flash (bf16)": v4_cache_spec(DEEPSEEK_V4_FLASH),
 }
 
 

@@ -83,9 +83,8 @@ async def measure(
     concurrent: int,
 ) -> list[dict[str, object]]:
     n_max = max(tokens) // BLOCK
-    cache = torch.zeros(
-        layout.num_layers, n_max, BLOCK, layout.latent_dim, dtype=DTYPES[layout.dtype]
-    )
+    (g,) = layout.groups
+    cache = torch.zeros(g.num_layers, n_max, BLOCK, g.dim, dtype=DTYPES[layout.dtype])
     imp = KvImporter(
         create_transport(transport),
         cache,
@@ -165,13 +164,14 @@ def local_copy(
 ) -> list[dict[str, object]]:
     n_max = max(tokens) // BLOCK
     dtype = DTYPES[layout.dtype]
-    src = torch.ones(layout.num_layers, n_max, BLOCK, layout.latent_dim, dtype=dtype)
+    (g,) = layout.groups
+    src = torch.ones(g.num_layers, n_max, BLOCK, g.dim, dtype=dtype)
     dst = torch.zeros_like(src)
     rows: list[dict[str, object]] = []
     for t in tokens:
         n = t // BLOCK
         ids = list(range(n))
-        buf = torch.empty(layout.num_layers, n, BLOCK, layout.latent_dim, dtype=dtype)
+        buf = torch.empty(g.num_layers, n, BLOCK, g.dim, dtype=dtype)
         times = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
@@ -253,7 +253,7 @@ def main() -> None:
     results: list[dict[str, object]] = []
     for name in args.layouts.split(","):
         layers, dim, dtype = LAYOUTS[name]
-        layout = LayoutFingerprint("test-model", dtype, layers, dim, BLOCK)
+        layout = LayoutFingerprint.latent("test-model", dtype, layers, dim, BLOCK)
         sizes = [t // BLOCK for t in tokens for _ in range(args.repeats + 1)] + [
             tokens[0] // BLOCK
         ] * (4 * args.concurrent)

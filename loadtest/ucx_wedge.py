@@ -70,7 +70,7 @@ def trial(max_kills: int, one_loop: bool) -> dict[str, Any]:
     from ferry.services.kv_transfer.ucx import UcxTransport
 
     cache, kv = torch.zeros(LAYERS, BLOCKS, BS, DIM), KVCacheManager(BLOCKS, BS)
-    layout = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
+    layout = LayoutFingerprint.latent("test-model", "float32", LAYERS, DIM, BS)
     report: dict[str, Any] = {"kills": 0, "wedged": False, "false_alarms": 0, "probe_ms": []}
 
     async def once(proc: subprocess.Popen[str], handles: list[Any]) -> bool:

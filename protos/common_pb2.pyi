@@ -130,18 +130,46 @@ class TokenChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LayoutFingerprint(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "num_layers", "latent_dim", "block_size")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "groups", "state", "state_blocks")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    LATENT_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
-    num_layers: int
-    latent_dim: int
     block_size: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., latent_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[PagedGroup]
+    state: _containers.RepeatedCompositeFieldContainer[StateRing]
+    state_blocks: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[PagedGroup, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateRing, _Mapping]]] = ..., state_blocks: _Optional[int] = ...) -> None: ...
+
+class PagedGroup(_message.Message):
+    __slots__ = ("name", "num_layers", "tokens_per_entry", "dim")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_layers: int
+    tokens_per_entry: int
+    dim: int
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., tokens_per_entry: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class StateRing(_message.Message):
+    __slots__ = ("name", "num_layers", "rows", "dim", "at_boundary")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_layers: int
+    rows: int
+    dim: int
+    at_boundary: bool
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("transfer_id", "worker_id", "host", "port", "num_tokens", "block_size", "num_blocks", "layout", "expires_at", "transport")

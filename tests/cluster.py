@@ -158,11 +158,15 @@ class Cluster:
         return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(sample))
 
     def all_blocks_free(self) -> bool:
-        """Every worker's load report says no KV block is in use (free or cached only)."""
+        """Every worker's load report says no KV block (free or cached only) and no state slot
+        is in use."""
         roles = ("prefill", "decode", "aggregated")
         loads = [v.load for v in self.views() if v.record.role in roles]
         return bool(loads) and all(
-            ld is not None and ld.free_kv_blocks == ld.total_kv_blocks for ld in loads
+            ld is not None
+            and ld.free_kv_blocks == ld.total_kv_blocks
+            and ld.free_state_slots == ld.total_state_slots
+            for ld in loads
         )
 
 

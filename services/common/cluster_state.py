@@ -125,6 +125,8 @@ class LoadReport:
     free_kv_blocks: int = 0  # free plus cached (evictable) blocks
     total_kv_blocks: int = 0
     cached_kv_blocks: int = 0
+    free_state_slots: int = 0  # a model with state (DeepSeek-V4): a slot per running request
+    total_state_slots: int = 0
     step_time_s: float = 0.0
     updated_at: float = 0.0  # time.time() of the report
 

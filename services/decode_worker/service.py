@@ -51,7 +51,7 @@ class DecodeWorker(EngineWorker):
         if transport not in self._importers:
             self._importers[transport] = KvImporter(
                 create_transport(transport),
-                self.engine.kv_cache,
+                self.engine.kv_blocks,
                 self.engine.kv_holds,
                 self.layout,
                 self.config.transfer_timeout_s,
@@ -71,7 +71,8 @@ class DecodeWorker(EngineWorker):
         """Why this worker cannot take a request whose prompt fills ``num_blocks`` now, or None."""
         load = self.engine.load
         limit = self.config.engine.max_num_seqs
-        if load.running + load.waiting >= limit:
+        # a pull in flight counts: its request needs a state slot (V4) once it lands
+        if max(load.running + load.waiting, len(self._active)) >= limit:
             return f"{self.worker_id} is full: {limit} requests running (max_num_seqs)"
         if load.free_kv_blocks < num_blocks + 1:
             return (

@@ -32,6 +32,7 @@ from ferry.services.engine.config import EngineConfig
 from ferry.services.engine.engine import Engine, EngineLoad
 from ferry.services.engine.expert_rebalance import Rebalancer
 from ferry.services.engine.kv_cache import KvHolds
+from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.request import ImportedKv, RequestOutput, Resumed
 
 DEP_IDLE_POLL_S = 0.05  # an idle group's ranks check in 20 times a second (~3% of a core here)
@@ -61,8 +62,7 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    num_layers: int  # of the KV cache
-    kv_dim: int  # values per token per layer in a one-group cache (V3's latent); 0: several
+    cache_spec: CacheSpec  # what the cache's blocks and state slots hold
     num_expert_groups: int  # the model's n_group, which EPLB places experts by
 
 
@@ -86,15 +86,13 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig | Engine | None = None) -> None:
         self._engine = engine = config if isinstance(config, Engine) else Engine(config)
-        groups = engine.model.cache_spec().groups
         self.info = EngineInfo(
             engine.model_fingerprint,
             engine.config.dtype,
             engine.max_model_len,
             engine.kv.block_size,
             engine.kv.num_blocks,
-            engine.model.config.num_hidden_layers,
-            groups[0].dim if len(groups) == 1 else 0,
+            engine.model.cache_spec(),
             engine.model.config.n_group,
         )
         self._cv = threading.Condition()
@@ -128,9 +126,11 @@ class AsyncEngine:
         return -(-num_tokens // self.info.block_size)
 
     @property
-    def kv_cache(self) -> torch.Tensor:
-        """The cache tensor: KV transports read and write the blocks held under ``kv_holds``."""
-        return self._engine.kv_cache
+    def kv_blocks(self) -> torch.Tensor:
+        """The cache's blocks as KV transports move them, [layers, blocks, block_size, dim]:
+        the blocks held under ``kv_holds`` are read and written through it (DeepSeek-V3's
+        latent cache itself; V4's blocks as bytes, see V4KVCache.transfer)."""
+        return self._engine.model.kv_blocks(self._engine.kv_cache)
 
     @property
     def kv_holds(self) -> KvHolds:

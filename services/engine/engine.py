@@ -68,6 +68,8 @@ class EngineLoad:
     step_time_s: float = 0.0
     step_tokens: int = 0  # tokens the last step computed
     num_preemptions: int = 0  # since the engine started
+    free_state_slots: int = 0
+    total_state_slots: int = 0
 
 
 class Engine:
@@ -120,6 +122,7 @@ class Engine:
             self.model_fingerprint.encode(),
             num_slots,
             num_snapshots,
+            spec.state_blocks(self.block_size, itemsize) if spec.rings else 0,
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = mc.eos_token_ids or (
@@ -190,12 +193,13 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        if (hand_off or imported is not None) and self.kv.num_state_slots:
-            raise ValueError(
-                "this model keeps per-request state beside its KV blocks (DeepSeek-V4's window "
-                "and compressor rows), which prefill/decode hand-offs do not carry yet"
-            )
         total = self.validate(prompt_token_ids, params)
+        need = self.kv.blocks_needed(len(prompt_token_ids)) + self.kv.num_state_blocks
+        if hand_off and need > self.kv.num_blocks:
+            raise ValueError(
+                f"the prompt's KV and its state need {need} blocks to hand off; the cache has "
+                f"{self.kv.num_blocks} (raise num_kv_blocks or kv_cache_memory_bytes)"
+            )
         spec = params.structured_output
         req = Request(
             request_id=request_id,
@@ -244,7 +248,11 @@ class Engine:
         """Take over an imported prompt: its blocks, then its first token replayed through the
         output processor (so that text and stop state match the prefill side's; the text itself
         was already streamed from there)."""
-        self.kv.adopt_hold(imported.hold_key, req, len(req.prompt_token_ids))
+        state = self.kv.adopt_hold(imported.hold_key, req, len(req.prompt_token_ids))
+        if state:  # the prompt's end state, packed by the prefill worker (save_state)
+            assert req.state_slot is not None
+            self.kv_cache.load_state(state, req.state_slot)
+            self.kv.drop_state_blocks(req)
         req.num_cached_tokens = imported.num_cached_tokens
         self.outputs.append(req, imported.first_token_id, imported.first_logprobs)
         if req.finish_reason is not None:
@@ -303,7 +311,10 @@ class Engine:
                 hold = None
                 if req.hand_off and req.finish_reason is None:
                     hold = self.hand_off_key(req.request_id)
-                    self.kv.hold(hold, req.block_ids)
+                    if req.state_block_ids:  # the decode worker continues from this state
+                        assert req.state_slot is not None
+                        self.kv_cache.save_state(req.state_slot, req.state_block_ids)
+                    self.kv.hold(hold, req.block_ids + req.state_block_ids)
                 outputs.append(make_output(req, [token], delta, hold))
                 if req.finish_reason is not None or hold is not None:
                     self._finish(req)
@@ -465,6 +476,8 @@ class Engine:
             last.total_s if last else 0.0,
             last.num_tokens if last else 0,
             self.num_preemptions,
+            len(self.kv.free_slots),
+            self.kv.num_state_slots,
         )
 
     def check_integrity(self) -> None:

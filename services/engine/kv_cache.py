@@ -103,11 +103,14 @@ class KVCacheManager:
         salt: bytes = b"",
         num_state_slots: int = 0,
         num_snapshots: int = 0,
+        num_state_blocks: int = 0,
     ) -> None:
         """``num_state_slots`` > 0: every request that runs also holds one state slot, and a
-        prefix hit needs one of ``num_snapshots`` snapshots."""
+        prefix hit needs one of ``num_snapshots`` snapshots; a hand-off also reserves
+        ``num_state_blocks`` blocks, into which its slot is packed for the decode worker."""
         self.pool = BlockPool(num_blocks)
         self.num_state_slots = num_state_slots
+        self.num_state_blocks = num_state_blocks if num_state_slots else 0
         self.free_slots = list(range(num_state_slots))
         self.num_snapshots = num_snapshots if enable_prefix_caching else 0
         self.free_snapshots = list(range(self.num_snapshots))
@@ -204,12 +207,15 @@ class KVCacheManager:
         new = max(0, self.blocks_needed(total) - have)
         with self.lock:
             reclaim = sum(1 for b in cached_blocks if self.pool.ref_count[b] == 0)
-            if new > self.pool.num_free - reclaim:
+            starts = self.num_state_slots and req.state_slot is None
+            reserve = self.num_state_blocks if starts and req.hand_off else 0
+            if new + reserve > self.pool.num_free - reclaim:
                 return False
-            if self.num_state_slots and req.state_slot is None:
+            if starts:
                 if not self.free_slots:
                     return False
                 req.state_slot = self.free_slots.pop()
+                req.state_block_ids = [self.pool.take_new() for _ in range(reserve)]
             if self.num_state_slots and cached_hashes:
                 req.restore_snapshot = self.snapshots[cached_hashes[-1]]
                 self.snapshots.move_to_end(cached_hashes[-1])
@@ -241,11 +247,13 @@ class KVCacheManager:
         its state slot."""
         with self.lock:
             self.pool.release(reversed(req.block_ids))
+            self.pool.release(req.state_block_ids)
             if req.state_slot is not None:
                 self.free_slots.append(req.state_slot)
         req.block_ids = []
         req.block_hashes = []
         req.state_slot = None
+        req.state_block_ids = []
         req.restore_snapshot = None
 
     # ---- state snapshots (models with state rings) ----------------------------------------
@@ -314,12 +322,32 @@ class KVCacheManager:
             self.pool.release(reversed(blocks))
             return blocks
 
-    def adopt_hold(self, key: str, req: Request, num_tokens: int) -> None:
-        """Hand the blocks held under ``key`` to ``req`` as its first ``num_tokens`` tokens."""
+    def adopt_hold(self, key: str, req: Request, num_tokens: int) -> list[int]:
+        """Hand the blocks held under ``key`` to ``req`` as its first ``num_tokens`` tokens.
+        With state, the hold ends with the ``num_state_blocks`` blocks its state was packed in:
+        ``req`` gets a state slot, and those blocks are returned, still held by ``req``
+        (:attr:`Request.state_block_ids`) until the caller unpacks them and calls
+        :meth:`drop_state_blocks`. KeyError when the hold is gone; ValueError (nothing taken)
+        when no state slot is free."""
         with self.lock:
-            req.block_ids = self.holds.pop(key)
+            blocks = self.holds[key]
+            k = self.num_state_blocks
+            if k and not self.free_slots:
+                raise ValueError(f"no free state slot for {req.request_id}")
+            del self.holds[key]
+            req.block_ids = blocks[: len(blocks) - k]
             req.block_hashes = []
             req.num_computed_tokens = num_tokens
+            if k:
+                req.state_slot = self.free_slots.pop()
+                req.state_block_ids = blocks[len(blocks) - k :]
+            return list(req.state_block_ids)
+
+    def drop_state_blocks(self, req: Request) -> None:
+        """Free the blocks ``req``'s state came in (or was reserved in)."""
+        with self.lock:
+            self.pool.release(req.state_block_ids)
+        req.state_block_ids = []
 
     def check_integrity(self, live: Iterable[Request] = ()) -> None:
         """free + cached + in use == total; reference counts equal what the live requests and
@@ -335,9 +363,10 @@ class KVCacheManager:
             for b in held:
                 holders[b] += 1
         for req in live:
-            if len(set(req.block_ids)) != len(req.block_ids):
+            held = req.block_ids + req.state_block_ids
+            if len(set(held)) != len(held):
                 raise AssertionError(f"request {req.request_id} holds a block twice")
-            for b in req.block_ids:
+            for b in held:
                 holders[b] += 1
         if holders != pool.ref_count:
             bad = next(

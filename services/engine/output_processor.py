@@ -84,5 +84,5 @@ def make_output(
         stop_reason=req.stop_reason,
         prompt_logprobs=req.prompt_logprobs,
         kv_hold=kv_hold,
-        kv_block_ids=list(req.block_ids) if kv_hold else [],
+        kv_block_ids=req.block_ids + req.state_block_ids if kv_hold else [],
     )

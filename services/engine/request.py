@@ -36,6 +36,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # its row of the cache's state rings, while it runs
     restore_snapshot: int | None = None  # a prefix hit's state, copied in before its next step
+    # a hand-off with state: blocks reserved for its state slot's bytes, sent with its prompt's
+    state_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     num_preemptions: int = 0
     arrival: int = 0  # its place in its engine's arrival order (the planner numbers them)
@@ -97,7 +99,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float]] | None = None  # complete from the first output on
     # Set on a hand-off request's last output: the hold (see KVCacheManager.hold) that keeps its
-    # prompt's blocks, and those blocks. The KV exporter turns the hold into a lease.
+    # prompt's blocks (then, with state, the blocks its state is packed in), and those blocks.
+    # The KV exporter turns the hold into a lease.
     kv_hold: str | None = None
     kv_block_ids: list[int] = field(default_factory=list)
 

@@ -7,27 +7,79 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
 
 @dataclass(frozen=True)
 class LayoutFingerprint:
-    """Two caches can exchange blocks only when every field matches."""
+    """What a cache's blocks hold, byte for byte: two caches exchange blocks only when every
+    field matches. ``groups`` are the paged groups of every block (DeepSeek-V3: one latent
+    group, an entry per token; V4: CSA entries, their indexer keys, HCA entries); ``state`` the
+    rings of a request's state slot (V4's window and compressor rows), which a hand-off packs
+    into ``state_blocks`` blocks after the prompt's."""
 
     model_fingerprint: str
     dtype: str
-    num_layers: int
-    latent_dim: int  # kv_lora_rank + qk_rope_head_dim
     block_size: int
+    groups: tuple[PagedGroup, ...]
+    state: tuple[StateRing, ...] = ()
+    state_blocks: int = 0
+
+    @classmethod
+    def latent(
+        cls, model_fingerprint: str, dtype: str, num_layers: int, latent_dim: int, block_size: int
+    ) -> LayoutFingerprint:
+        """A one-group cache, an entry per token: DeepSeek-V3's (kv_lora_rank + rope dims)."""
+        return cls(
+            model_fingerprint, dtype, block_size, (PagedGroup("latent", num_layers, 1, latent_dim),)
+        )
+
+    @classmethod
+    def of(
+        cls, model_fingerprint: str, dtype: str, block_size: int, spec: CacheSpec
+    ) -> LayoutFingerprint:
+        itemsize = _DTYPE_BYTES[dtype]
+        state_blocks = spec.state_blocks(block_size, itemsize) if spec.rings else 0
+        return cls(model_fingerprint, dtype, block_size, spec.groups, spec.rings, state_blocks)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers."""
-        return self.num_layers * self.block_size * self.latent_dim * _DTYPE_BYTES[self.dtype]
+        """Bytes of one block across all groups and layers."""
+        return sum(
+            g.bytes_per_block(self.block_size, _DTYPE_BYTES[self.dtype]) for g in self.groups
+        )
+
+    @property
+    def kinds(self) -> str:
+        """The groups' and rings' names: what kind of model the cache is for."""
+        names = [g.name for g in self.groups]
+        return ", ".join(names + [f"state {r.name}" for r in self.state])
 
     def __str__(self) -> str:
-        return f"{self.model_fingerprint}/{self.dtype}/L{self.num_layers}/D{self.latent_dim}/B{self.block_size}"
+        groups = " ".join(
+            f"{g.name}[L{g.num_layers} /{g.tokens_per_entry} D{g.dim}]" for g in self.groups
+        )
+        state = "".join(f" {r.name}[L{r.num_layers} R{r.rows} D{r.dim}]" for r in self.state)
+        blocks = f" in {self.state_blocks} blocks" if self.state else ""
+        return f"{self.model_fingerprint}/{self.dtype}/B{self.block_size} {groups}{state}{blocks}"
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayoutFingerprint:
+        groups = tuple(PagedGroup(**g) for g in d["groups"])
+        state = tuple(StateRing(**r) for r in d.get("state", ()))
+        return cls(
+            d["model_fingerprint"],
+            d["dtype"],
+            d["block_size"],
+            groups,
+            state,
+            d.get("state_blocks", 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -40,7 +92,7 @@ class KvHandle:
     port: int
     num_tokens: int
     block_size: int
-    num_blocks: int
+    num_blocks: int  # the prompt's, then layout.state_blocks of its packed state
     layout: LayoutFingerprint
     expires_at: float  # wall-clock seconds (time.time())
     transport: str = "ucx"
@@ -51,7 +103,7 @@ class KvHandle:
     @classmethod
     def from_json(cls, text: str) -> KvHandle:
         d: dict[str, Any] = json.loads(text)
-        d["layout"] = LayoutFingerprint(**d["layout"])
+        d["layout"] = LayoutFingerprint.from_dict(d["layout"])
         return cls(**d)
 
 
@@ -67,10 +119,16 @@ class LayoutMismatch(TransferError):
     def __init__(
         self, ours: LayoutFingerprint, theirs: LayoutFingerprint, transfer_id: str
     ) -> None:
+        why = ""
+        if theirs.kinds != ours.kinds:  # e.g. a DeepSeek-V3 worker and a V4 one
+            why = (
+                f" (the exporter's cache holds {theirs.kinds}, this one {ours.kinds}: the two "
+                f"workers serve different kinds of model)"
+            )
         super().__init__(
             "layout_mismatch",
             f"transfer {transfer_id}: the exporter's KV layout {theirs} does not match this "
-            f"cache's {ours}; nothing was written",
+            f"cache's {ours}; nothing was written{why}",
         )
 
 

@@ -36,7 +36,7 @@ def make_cache(
 
 
 def layout(args: argparse.Namespace, model: str = "test-model") -> LayoutFingerprint:
-    return LayoutFingerprint(model, args.dtype, args.layers, args.dim, args.block_size)
+    return LayoutFingerprint.latent(model, args.dtype, args.layers, args.dim, args.block_size)
 
 
 async def main(args: argparse.Namespace) -> None:

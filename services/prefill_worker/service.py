@@ -37,7 +37,7 @@ class PrefillWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.exporter = KvExporter(
-            self.engine.kv_cache,
+            self.engine.kv_blocks,
             self.engine.kv_holds,
             self.layout,
             self.worker_id,

@@ -3,8 +3,11 @@ the workers (sampling parameters: services/common/convert.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ferry.protos import common_pb2 as pb
 from ferry.protos import decode_worker_pb2, prefill_worker_pb2
+from ferry.services.engine.model.cache_spec import PagedGroup, StateRing
 from ferry.services.engine.request import RequestOutput, Resumed
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 
@@ -72,9 +75,10 @@ def kv_handle_to_pb(h: KvHandle) -> pb.KvHandle:
         layout=pb.LayoutFingerprint(
             model_fingerprint=lay.model_fingerprint,
             dtype=lay.dtype,
-            num_layers=lay.num_layers,
-            latent_dim=lay.latent_dim,
             block_size=lay.block_size,
+            groups=[pb.PagedGroup(**dataclasses.asdict(g)) for g in lay.groups],
+            state=[pb.StateRing(**dataclasses.asdict(r)) for r in lay.state],
+            state_blocks=lay.state_blocks,
         ),
     )
 
@@ -84,7 +88,12 @@ def kv_handle_from_pb(msg: pb.KvHandle) -> KvHandle:
         raise ValueError("kv_handle.transfer_id is empty")
     lay = msg.layout
     layout = LayoutFingerprint(
-        lay.model_fingerprint, lay.dtype, lay.num_layers, lay.latent_dim, lay.block_size
+        lay.model_fingerprint,
+        lay.dtype,
+        lay.block_size,
+        tuple(PagedGroup(g.name, g.num_layers, g.tokens_per_entry, g.dim) for g in lay.groups),
+        tuple(StateRing(r.name, r.num_layers, r.rows, r.dim, r.at_boundary) for r in lay.state),
+        lay.state_blocks,
     )
     return KvHandle(
         transfer_id=msg.transfer_id,

@@ -97,8 +97,8 @@ class EngineWorker(Service):
     @property
     def layout(self) -> LayoutFingerprint:
         info = self.engine.info
-        return LayoutFingerprint(
-            info.model_fingerprint, info.dtype, info.num_layers, info.kv_dim, info.block_size
+        return LayoutFingerprint.of(
+            info.model_fingerprint, info.dtype, info.block_size, info.cache_spec
         )
 
     async def start(self, address: str, metrics_port: int) -> None:
@@ -209,6 +209,8 @@ class EngineWorker(Service):
             free_kv_blocks=load.free_kv_blocks,
             total_kv_blocks=load.total_kv_blocks,
             cached_kv_blocks=load.cached_kv_blocks,
+            free_state_slots=load.free_state_slots,
+            total_state_slots=load.total_state_slots,
             step_time_s=load.step_time_s,
             updated_at=time.time(),
         )

@@ -1,8 +1,9 @@
 """Aggregated workers end to end: `ferry up --aggregated N`, real processes, gRPC.
 
 Cluster A is one aggregated worker and nothing else: outputs against the in-process engine,
-cancellation, and last a scheduler that crash-loops (`ferry up` gives up on it). Cluster B is mixed (1 aggregated, 1 prefill, 1 decode): requests go to the
-aggregated worker while it is up and to the prefill/decode pair once it is gone.
+cancellation, and last a scheduler that crash-loops (`ferry up` gives up on it). Cluster B is
+mixed (1 aggregated, 1 prefill, 1 decode), for DeepSeek-V3 and V4: requests go to the aggregated
+worker while it is up and to the prefill/decode pair once it is gone.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def redis() -> Iterator[RedisServer]:
 
 
 @contextmanager
-def up(redis: RedisServer, checkpoint: Path, *args: str, cluster: str) -> Iterator[Cluster]:
+def up(redis: RedisServer, checkpoint: Path | str, *args: str, cluster: str) -> Iterator[Cluster]:
     with ferry_up(
         redis.url,
         *args,
@@ -68,7 +69,7 @@ def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + j) % 250 + 1 for j in range(5 + 23 * i)] for i in range(n)]
 
 
-def expected(checkpoint: Path, ps: list[list[int]], n: int) -> list[list[int]]:
+def expected(checkpoint: Path | str, ps: list[list[int]], n: int) -> list[list[int]]:
     engine = Engine(
         EngineConfig(model=str(checkpoint), block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
     )
@@ -154,15 +155,21 @@ def test_cancel_mid_stream_frees_the_blocks(aggregated: Cluster) -> None:
     aggregated.wait_for("blocks free after cancel", lambda: blocks_free(aggregated), 5)
 
 
+@pytest.mark.parametrize("v4", [False, True], ids=["v3", "v4-tiny-grpc"])
 def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
-    redis: RedisServer, checkpoint: Path
+    redis: RedisServer, checkpoint: Path, v4: bool
 ) -> None:
+    """DeepSeek-V3 (a checkpoint, UCX) and V4 (v4-tiny, its blocks and packed state over the
+    gRPC transport): the same tokens whichever path serves them."""
+    model: str | Path = "v4-tiny" if v4 else checkpoint
+    transport = ["--kv-transport", "grpc"] if v4 else []
     ps = prompts(6)
-    ref = expected(checkpoint, ps, 8)
+    ref = expected(model, ps, 8)
     # --restart never: aggregated-0 stays down, so every request after the kill takes P/D
     with up(
         redis,
-        checkpoint,
+        model,
+        *transport,
         "--aggregated",
         "1",
         "--prefill",
@@ -181,6 +188,7 @@ def test_mixed_cluster_prefers_aggregated_then_falls_back_to_prefill_decode(
         for res in (*before, *after):
             assert res.code is None, res.details
         assert [r.token_ids for r in before] == ref == [r.token_ids for r in after]
+        c.wait_for("every KV block and state slot free", c.all_blocks_free, 10)
 
 
 def test_a_scheduler_whose_port_is_taken_stays_down_and_the_cluster_stops(

@@ -1,7 +1,9 @@
-"""Live rebalancing in a real `ferry up` cluster: a decode DEP group of two ranks with a skewed
-router serves 32 streaming requests; the EPLB controller rebalances it in the middle (the
-Rebalance RPC). Every output equals the in-process engine's (no rebalancing there), no request
-fails, and the balancedness measured on the ranks' real traffic is higher after than before."""
+"""Live rebalancing in a real `ferry up` cluster, DeepSeek-V3 and V4: a decode DEP group of two
+ranks with redundant experts and a skewed router serves 32 streaming requests, prefilled on a
+prefill worker; the EPLB controller rebalances it in the middle (the Rebalance RPC). Every
+output equals the in-process engine's (no rebalancing there), no request fails, the
+balancedness measured on the ranks' real traffic is higher after than before, and every KV
+block and state slot is free at the end."""
 
 from __future__ import annotations
 
@@ -22,12 +24,20 @@ from tests.redis_server import redis_server
 SKEW, TOKENS = "0.5", 128
 
 
+@pytest.fixture(scope="module", params=["tiny", "v4-tiny"])
+def model(request: pytest.FixtureRequest) -> str:
+    """DeepSeek-V3 and V4 (whose hand-offs carry the state slot into the DEP ranks)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def cluster(model: str) -> Iterator[Cluster]:
     with (
         redis_server() as redis,
         ferry_up(
             redis.url,
+            "--model",
+            model,
             "--decode",
             "0",
             "--decode-dep",
@@ -77,7 +87,9 @@ async def settled_rows(stub: eplb_pb2_grpc.EplbControllerStub) -> np.ndarray:
         last = now
 
 
-def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(cluster: Cluster) -> None:
+def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(
+    cluster: Cluster, model: str
+) -> None:
     ps = prompts(32)
     address = controller(cluster)
 
@@ -115,7 +127,7 @@ def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(cluster: Clu
     assert reply.predicted_balancedness_after > reply.predicted_balancedness_before
     # outputs: those of one in-process engine with every expert and the same skew
     engine = Engine(
-        EngineConfig(model="tiny", block_size=16, num_kv_blocks=512, router_skew=float(SKEW))
+        EngineConfig(model=model, block_size=16, num_kv_blocks=512, router_skew=float(SKEW))
     )
     expected = engine.generate(
         ps, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
@@ -135,6 +147,7 @@ def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(cluster: Clu
     )
     assert 'ferry_eplb_rebalances_total{group="' in metrics
     assert "ferry_expert_balancedness{" in metrics
+    cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)
 
 
 def test_rebalance_of_an_unknown_group_is_not_found(cluster: Cluster) -> None:

@@ -33,7 +33,7 @@ from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UcxTransport
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
-LAYOUT = LayoutFingerprint("test-model", "float32", LAYERS, DIM, BS)
+LAYOUT = LayoutFingerprint.latent("test-model", "float32", LAYERS, DIM, BS)
 
 
 @contextmanager
@@ -157,7 +157,7 @@ from ferry.services.kv_transfer.endpoints import KvImporter
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.kv_transfer.transport import create_transport
 layers, blocks, bs, dim = map(int, sys.argv[1:5])
-layout = LayoutFingerprint("test-model", "float32", layers, dim, bs)
+layout = LayoutFingerprint.latent("test-model", "float32", layers, dim, bs)
 handles = [KvHandle.from_json(line) for line in sys.stdin]
 imp = KvImporter(create_transport("ucx"), torch.zeros(layers, blocks, bs, dim),
                  KVCacheManager(blocks, bs), layout, 10.0)
@@ -184,7 +184,7 @@ lines = sys.stdin.read().splitlines()
 src, handles = json.loads(lines[0]), [KvHandle.from_json(line) for line in lines[1:]]
 cache = torch.zeros(layers, blocks, bs, dim)
 imp = KvImporter(create_transport("ucx"), cache, KVCacheManager(blocks, bs),
-                 LayoutFingerprint("test-model", "float32", layers, dim, bs), 10.0, verify_checksum=True)
+                 LayoutFingerprint.latent("test-model", "float32", layers, dim, bs), 10.0, verify_checksum=True)
 async def main():
     await imp.pull(handles[0], list(range(blocks)))
     exact = torch.equal(cache, make_cache(layers, blocks, bs, dim, seed)[:, src])
@@ -269,7 +269,7 @@ def test_ucx_peers_killed_while_bytes_move() -> None:
 
 # Wide blocks (64 KiB per layer), so that 16 consecutive blocks make a run that moves in place.
 WIDE_DIM, WIDE_BLOCKS = 1024, 256
-WIDE = LayoutFingerprint("test-model", "float32", LAYERS, WIDE_DIM, BS)
+WIDE = LayoutFingerprint.latent("test-model", "float32", LAYERS, WIDE_DIM, BS)
 
 
 @pytest.mark.parametrize("src", ["contiguous", "fragmented"])
@@ -320,11 +320,27 @@ def test_layout_mismatch_is_refused_before_any_byte(transport: str) -> None:
     with exporter_process("--transport", transport, "--sizes", "3") as (_, handles, _):
         cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
         kv = KVCacheManager(BLOCKS, BS)
-        other = LayoutFingerprint("other-model", "float32", LAYERS, DIM, BS)
+        other = LayoutFingerprint.latent("other-model", "float32", LAYERS, DIM, BS)
         imp = KvImporter(create_transport(transport), cache, kv, other)
         with pytest.raises(LayoutMismatch, match=r"test-model.*does not match.*other-model"):
             asyncio.run(_pull_once(imp, handles[0]))
         assert not cache.any() and kv.usage()["in_use"] == 0
+
+
+def test_a_deepseek_v3_cache_refuses_a_v4_handle() -> None:
+    """A V4 prefill worker's handle (three paged groups and a state slot) reaching a V3 decode
+    worker (one latent group): refused before any byte, saying the models differ."""
+    from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
+    from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
+
+    v4 = LayoutFingerprint.of("v4", "bfloat16", 128, v4_cache_spec(DEEPSEEK_V4_FLASH))
+    handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 200, 128, 2 + v4.state_blocks, v4, 0.0)
+    cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
+    kv = KVCacheManager(BLOCKS, BS)
+    imp = KvImporter(create_transport("local"), cache, kv, LAYOUT)
+    with pytest.raises(LayoutMismatch, match=r"csa_kv.*state swa.*this one latent.*kinds of model"):
+        asyncio.run(_pull_once(imp, handle))
+    assert kv.usage()["in_use"] == 0
 
 
 @NETWORK

@@ -1,45 +1,205 @@
-"""DeepSeek-V4 served: `ferry up --model v4-tiny` with no worker flags starts an aggregated
-worker (P/D hand-offs do not carry V4's per-request state yet, and it says so), whose greedy
-outputs are the in-process engine's, a repeated prompt served from its prefix cache."""
+"""DeepSeek-V4 through a disaggregated cluster: `ferry up --model v4-tiny` with 1 prefill and
+2 decode workers over UCX. The prefill worker hands each request's blocks and its prompt-end
+state (the window, the compressors' open rows, packed into blocks) to a decode worker, which
+continues from them: greedy outputs through the REST API and the scheduler equal the in-process
+engine's, prompts of every length modulo the compression rates (4 and 16); a repeated prompt
+hits the prefill worker's snapshot; a V3 handle is refused; a request whose decode worker is
+killed moves on. After each test every KV block and state slot is free on every worker."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import time
+import urllib.request
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from ferry.protos import (
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
+from ferry.services.common.convert import sampling_params_to_pb
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.services.worker.convert import kv_handle_to_pb
 from tests.cluster import Cluster, ferry_up, generate, greedy
 
-PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(9 + 37 * i)] for i in range(3)]
+# lengths 9, 46, 83, 120: every remainder modulo the CSA rate (4), none a multiple of 16
+PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(9 + 37 * i)] for i in range(4)]
+TOKENS = 12
+MIGRATING = '"event": "migrating"'
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    with ferry_up("", "--model", "v4-tiny", cluster="v4") as c:
+    with ferry_up(
+        "",
+        "--model",
+        "v4-tiny",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--kv-transport",
+        "ucx",
+        "--migration-limit",
+        "1",
+        "--worker-args",
+        "--verify-checksum --transfer-timeout 5",
+        cluster="v4",
+    ) as c:
         yield c
 
 
-def test_v4_starts_aggregated_and_says_why(cluster: Cluster) -> None:
-    assert sorted(v.record.role for v in cluster.views()) == ["aggregated", "scheduler"]
-    assert cluster.said("DeepSeek-V4 runs aggregated")
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(EngineConfig(model="v4-tiny"))
 
 
-def test_greedy_outputs_equal_the_in_process_engine(cluster: Cluster) -> None:
-    engine = Engine(EngineConfig(model="v4-tiny"))
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [engine.generate([p], params)[0].token_ids for p in PROMPTS]
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
-    async def main() -> list[list[int]]:
-        outs = []
-        for p in [*PROMPTS, PROMPTS[2]]:  # one at a time: the batches the engine ran
-            r = await generate(cluster.scheduler, p, greedy(10, ignore_eos=True))
+
+def _complete(cluster: Cluster, prompt: list[int]) -> dict[str, object]:
+    body = {"model": "v4-tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+    body["ignore_eos"] = True
+    req = urllib.request.Request(
+        cluster.gateway + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        reply: dict[str, object] = json.loads(r.read())
+    return reply
+
+
+def test_greedy_outputs_through_p_d_equal_the_in_process_engine(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """One at a time through the REST API (its text), then all at once through the scheduler
+    (their token ids): the decode workers continue from the transferred state exactly."""
+    want = [engine.generate([p], _greedy(TOKENS))[0] for p in PROMPTS]
+    texts = [_complete(cluster, p)["choices"][0]["text"] for p in PROMPTS]  # type: ignore[index]
+    assert texts == [w.text for w in want]
+
+    async def together() -> list[list[int]]:
+        rs = await asyncio.gather(
+            *(generate(cluster.scheduler, p, greedy(TOKENS, ignore_eos=True)) for p in PROMPTS)
+        )
+        assert all(r.code is None for r in rs), [r.details for r in rs]
+        return [r.token_ids for r in rs]
+
+    assert asyncio.run(together()) == [w.token_ids for w in want]
+    moved = sum(cluster.metric(d, "ferry_kv_transfer_bytes_total") for d in _decoders(cluster))
+    assert moved > 0  # the state came over the transport, with the blocks
+    cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)
+
+
+def test_a_repeated_prompt_hits_the_prefill_workers_snapshot(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """The second time, the prefill worker continues from the state it snapshotted at the
+    prompt's last block boundary (64 tokens of 120) and hands that on."""
+    prompt = PROMPTS[3]
+    (want,) = engine.generate([prompt], _greedy(TOKENS))
+
+    async def twice() -> list[tuple[list[int], int]]:
+        out = []
+        for _ in range(2):
+            r = await generate(cluster.scheduler, prompt, greedy(TOKENS, ignore_eos=True))
             assert r.code is None, r.details
-            outs.append((r.token_ids, r.cached_tokens))
-        return outs
+            out.append((r.token_ids, r.cached_tokens))
+        return out
 
-    got = asyncio.run(main())
-    assert [t for t, _ in got] == [*want, want[2]]
-    assert got[2][1] == 0 and got[3][1] == 64  # the repeat hit its prompt's snapshot
-    cluster.wait_for("every KV block free", cluster.all_blocks_free, 10.0)
+    (first, _), (again, cached) = asyncio.run(twice())
+    assert first == again == want.token_ids
+    assert cached == 64
+    cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)
+
+
+def test_a_decode_worker_refuses_a_deepseek_v3_handle(cluster: Cluster) -> None:
+    """A handle whose layout is one latent group (a V3 prefill worker's) is refused before any
+    byte moves, with a message that says the two workers serve different kinds of model."""
+    (prefill,) = cluster.views("prefill")
+    host, port = prefill.record.kv_address.rsplit(":", 1)
+    v3 = LayoutFingerprint.latent("v3-model", "float32", 4, 576, 64)
+    handle = KvHandle("t-v3", "prefill-v3", host, int(port), 20, 64, 1, v3, time.time() + 30)
+    decoder = next(v for v in cluster.views("decode"))
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(decoder.record.address) as ch:
+            stub = decode_worker_pb2_grpc.DecodeWorkerStub(ch)
+            request = decode_worker_pb2.DecodeRequest(
+                request_id="v3-handle",
+                prompt_token_ids=list(range(1, 21)),
+                sampling_params=greedy(4),
+                first_token_id=7,
+                kv_handle=kv_handle_to_pb(handle),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Decode(request, timeout=10):
+                    pass
+            return e.value
+
+    err = asyncio.run(call())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "different kinds of model" in (err.details() or "")
+    assert "latent" in (err.details() or "") and "csa_kv" in (err.details() or "")
+    cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)
+
+
+def test_a_request_whose_decode_worker_is_killed_moves_on(cluster: Cluster, engine: Engine) -> None:
+    """--migration-limit 1: kill -9 of the decode worker streaming a request. The request is
+    prefilled again with what it had generated (its state recomputed from the tokens) and
+    decoded on the other worker; the client gets the tokens of a request that never moved."""
+    prompt, n = PROMPTS[1], 160
+
+    async def main() -> tuple[list[int], int, str]:
+        sent_at = time.time()
+        killed_after, victim = 0, ""
+        tokens: list[int] = []
+        async with grpc.aio.insecure_channel(cluster.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            call = stub.Generate(
+                scheduler_pb2.GenerateRequest(
+                    request_id="moved",
+                    prompt_token_ids=prompt,
+                    sampling_params=sampling_params_to_pb(_greedy(n)),
+                ),
+                timeout=120,
+            )
+            async for chunk in call:
+                tokens += chunk.token_ids
+                if not killed_after and len(tokens) >= 20:
+                    victim = await asyncio.to_thread(_streaming_decoder, cluster, sent_at)
+                    cluster.signal(victim, signal.SIGKILL)
+                    killed_after = len(tokens)
+        return tokens, killed_after, victim
+
+    tokens, killed_after, victim = asyncio.run(asyncio.wait_for(main(), 150))
+    assert killed_after < n - 50, killed_after  # killed mid-stream
+    assert tokens == engine.generate([prompt], _greedy(n))[0].token_ids
+    assert cluster.logged(MIGRATING)
+    cluster.wait_for("the kill seen", lambda: cluster.said(f"{victim} exited with code -9"), 10)
+    cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)
+
+
+def _decoders(cluster: Cluster) -> list[str]:
+    return sorted(v.record.worker_id for v in cluster.views("decode"))
+
+
+def _streaming_decoder(cluster: Cluster, since: float) -> str:
+    """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for v in cluster.views("decode"):
+            if v.load and v.load.running and v.load.updated_at > since:
+                return v.record.worker_id
+        time.sleep(0.05)
+    raise AssertionError("no decode worker reported a running request")

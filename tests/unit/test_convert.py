@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 from ferry.protos import common_pb2 as pb
 from ferry.services.common import convert
 from ferry.services.common.sampling_params import SamplingParams, StructuredOutput
+from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH as V4_FLASH
+from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
 from ferry.services.engine.request import RequestOutput
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.worker import convert as worker_convert
@@ -86,11 +89,18 @@ def test_kv_handle_round_trip_and_empty_transfer_id() -> None:
         num_tokens=40,
         block_size=16,
         num_blocks=3,
-        layout=LayoutFingerprint("abc", "bfloat16", 4, 576, 16),
+        layout=LayoutFingerprint.latent("abc", "bfloat16", 4, 576, 16),
         expires_at=12.5,
         transport="ucx",
     )
     assert worker_convert.kv_handle_from_pb(worker_convert.kv_handle_to_pb(h)) == h
+    assert KvHandle.from_json(h.to_json()) == h
+    # DeepSeek-V4-Flash: three paged groups, and 11.2 MiB of rings in 14 blocks of 860 KiB
+    spec = v4_cache_spec(V4_FLASH)
+    v4 = dataclasses.replace(h, layout=LayoutFingerprint.of("v4", "bfloat16", 128, spec))
+    assert v4.layout.state_blocks == 14 and len(v4.layout.state) == 4
+    assert worker_convert.kv_handle_from_pb(worker_convert.kv_handle_to_pb(v4)) == v4
+    assert KvHandle.from_json(v4.to_json()) == v4
     with pytest.raises(ValueError, match="transfer_id is empty"):
         worker_convert.kv_handle_from_pb(pb.KvHandle())
 

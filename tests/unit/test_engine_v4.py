@@ -14,6 +14,7 @@ import torch
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.engine import Engine, EngineConfig
 from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
+from ferry.services.engine.request import ImportedKv
 from tests.helpers import greedy_generate, make_request, rel_err
 from tests.helpers_v4 import make_v4_checkpoint, v4_hf_logits, v4_hf_model
 
@@ -219,3 +220,36 @@ def test_blocks_without_their_snapshot_are_no_hit(ckpt: Path) -> None:
     (a_again,) = engine.generate([a], GREEDY)
     assert a_again.num_cached_tokens == 0
     engine.check_integrity()
+
+
+def _hand_over(prefill: Engine, decode: Engine, prompt: list[int], rid: str) -> list[int]:
+    """One request prefilled on ``prefill``, its blocks and state copied as a KV transport
+    moves them (the blocks' bytes, in the hold's order), decoded on ``decode``."""
+    prefill.add_request(rid, prompt, GREEDY, hand_off=True)
+    (first,) = [o for _ in range(64) for o in prefill.step() if o.kv_hold]
+    k = prefill.kv.num_state_blocks  # the state slot's bytes, after the prompt's blocks
+    assert len(first.kv_block_ids) == prefill.kv.blocks_needed(len(prompt)) + k
+    key = f"import:{rid}"
+    dst = decode.kv.hold_new(key, len(first.kv_block_ids))
+    assert dst is not None
+    src_t, dst_t = prefill.kv_cache.transfer, decode.kv_cache.transfer
+    dst_t[:, dst] = src_t[:, first.kv_block_ids]
+    prefill.kv.release_hold(first.kv_hold)
+    decode.add_request(rid, prompt, GREEDY, imported=ImportedKv(key, first.token_ids[0]))
+    out = [o for _ in range(64) for o in decode.step() if o.finished]
+    return out[0].token_ids
+
+
+def test_a_hand_off_carries_the_state_to_the_decode_engine(ckpt: Path, hf: Any) -> None:
+    """Prompts whose lengths leave every compressor mid-window (5, 23, 38, 47 tokens; the rates
+    are 4 and 8) prefilled in chunks on one engine and decoded on another from the blocks and
+    the packed state slot alone: transformers' tokens, and nothing left held on either side."""
+    prefill = _engine(ckpt, block_size=BLOCK, max_num_batched_tokens=16)
+    decode = _engine(ckpt, block_size=BLOCK)
+    prompts = [_prompt(n, 90 + n) for n in (5, 23, 38, 47)]
+    want = greedy_generate(hf, prompts, 12)
+    got = [_hand_over(prefill, decode, p, f"r{i}") for i, p in enumerate(prompts)]
+    assert got == want
+    for engine in (prefill, decode):
+        engine.check_integrity()
+        assert not engine.kv.holds and len(engine.kv.free_slots) == engine.kv.num_state_slots

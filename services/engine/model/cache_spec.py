@@ -73,6 +73,11 @@ class CacheSpec:
     def bytes_per_state_slot(self, itemsize: int) -> int:
         return sum(r.bytes_per_slot(itemsize) for r in self.rings)
 
+    def state_blocks(self, block_size: int, itemsize: int) -> int:
+        """Blocks that hold one state slot's bytes: a prefill hands a request's state to its
+        decode worker in these, beside the prompt's blocks (0 for a model without state)."""
+        return -(-self.bytes_per_state_slot(itemsize) // self.bytes_per_block(block_size, itemsize))
+
     def bytes_per_snapshot(self, itemsize: int) -> int:
         return sum(r.bytes_per_slot(itemsize) for r in self.rings if r.at_boundary)
 

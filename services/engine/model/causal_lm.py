@@ -53,6 +53,11 @@ class MoECausalLM(nn.Module):
         ``num_snapshots`` snapshots of them, passed to ``forward`` as it is."""
         raise NotImplementedError
 
+    def kv_blocks(self, kv_cache: Any) -> torch.Tensor:
+        """``kv_cache``'s blocks as KV transports move them: [layers, blocks, block_size, dim],
+        a block's bytes in each layer one run (a one-group cache is that tensor itself)."""
+        return kv_cache
+
     def moe_layers(self) -> list[MoE]:
         mlps = (getattr(layer, "mlp", None) for layer in self.decoder_layers())
         return [mlp for mlp in mlps if isinstance(mlp, MoE)]

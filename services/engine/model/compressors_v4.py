@@ -151,14 +151,13 @@ class Compressor(nn.Module):
         src = torch.cat((ring_rows(ring, first, done), rows.to(ring.dtype)))
         ring_keep(ring, done, rows)
         start_w, end_w = done // m, (done + n) // m
-        per_block = cache.entries.shape[1]
-        flat = cache.entries.view(-1, self.head_dim)
+        entries, per_block = cache.entries, cache.entries.shape[1]
         if end_w > start_w:
             pooled = self._pool(src[:, :width], src[:, width:], first, start_w, end_w, rope)
             w = torch.arange(start_w, end_w, device=x.device)
-            flat[seq.block_ids[w // per_block] * per_block + w % per_block] = pooled
+            entries[seq.block_ids[w // per_block], w % per_block] = pooled
         w = torch.arange(end_w, device=x.device)
-        return flat[seq.block_ids[w // per_block] * per_block + w % per_block]
+        return entries[seq.block_ids[w // per_block], w % per_block]
 
     def _pool(
         self,
@@ -211,8 +210,7 @@ class Compressor(nn.Module):
         pos, slots = step.positions, step.slots
         rows = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1)
         cache.rows[slots, pos % ring_size] = rows.to(cache.rows.dtype)
-        per_block = cache.entries.shape[1]
-        flat = cache.entries.view(-1, self.head_dim)
+        entries, per_block = cache.entries, cache.entries.shape[1]
         done = ((pos + 1) % m == 0).nonzero()[:, 0]
         if done.numel():  # these close window w: its rows (and the window before) are in the ring
             w = (pos[done] + 1) // m - 1
@@ -224,11 +222,11 @@ class Compressor(nn.Module):
                 cur[..., :width], cur[..., width:], prev[..., :width], prev[..., width:], w, rope
             )
             blocks = step.block_tables[done].gather(1, (w // per_block)[:, None])[:, 0]
-            flat[blocks * per_block + w % per_block] = pooled
+            entries[blocks, w % per_block] = pooled
         count = (pos + 1) // m
         e = torch.arange(int(count.max()), device=x.device)
         index = step.block_tables.gather(1, (e // per_block)[None, :].expand(len(pos), -1))
-        return flat[index * per_block + e % per_block], e[None, :] < count[:, None]
+        return entries[index, (e % per_block)[None, :]], e[None, :] < count[:, None]
 
     def visible(self, positions: torch.Tensor, num_entries: int) -> torch.Tensor:
         """[n, num_entries] bool: entry w holds tokens up to (w + 1) * rate - 1, so query t

@@ -107,6 +107,9 @@ class DeepseekV4ForCausalLM(MoECausalLM):
             c, num_blocks, block_size, num_slots, self.dtype, self.device, num_snapshots
         )
 
+    def kv_blocks(self, kv_cache: V4KVCache) -> torch.Tensor:
+        return kv_cache.transfer
+
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: V4KVCache
     ) -> torch.Tensor:

@@ -12,6 +12,11 @@ Rings, per state slot, a row per position ``p`` at ``p % rows``:
 - ``hca_rows`` [HCA layers, slots, hca_rate, 2 * head_dim]: the rows of the open HCA window.
 Snapshots (``snap_<ring>``, [layers, snapshots, rows, dim]) copy a slot's rings at a block
 boundary, but ``hca_rows``, empty there (the block size is a multiple of ``hca_rate``).
+
+The paged groups live in one buffer, block-major: ``blocks`` [num_blocks, block bytes] uint8, a
+block's bytes every group of every layer, and each group a strided view into it. So a block is
+one run of bytes that a KV transport moves whole, and a state slot's rings, packed into spare
+blocks (:meth:`V4KVCache.save_state`), travel to a decode worker beside the prompt's blocks.
 """
 
 from __future__ import annotations
@@ -81,10 +86,22 @@ class V4KVCache:
         spec.block_size(block_size)  # whole entries per block, or a clear error
         self.config, self.block_size, self.num_slots = config, block_size, num_slots
         self.num_blocks = num_blocks
+        itemsize = dtype.itemsize
+        self.blocks = torch.zeros(
+            num_blocks, spec.bytes_per_block(block_size, itemsize), dtype=torch.uint8, device=device
+        )
         self.tensors: dict[str, torch.Tensor] = {}
+        at = 0
         for g in spec.groups:
-            shape = (g.num_layers, num_blocks, block_size // g.tokens_per_entry, g.dim)
-            self.tensors[g.name] = torch.zeros(shape, dtype=dtype, device=device)
+            entries = block_size // g.tokens_per_entry
+            size = g.bytes_per_block(block_size, itemsize)
+            part = self.blocks[:, at : at + size].view(dtype)
+            self.tensors[g.name] = part.view(num_blocks, g.num_layers, entries, g.dim).transpose(
+                0, 1
+            )
+            at += size
+        self.rings = [r.name for r in spec.rings]
+        self.num_state_blocks = spec.state_blocks(block_size, itemsize)
         self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
         for r in spec.rings:
             shape = (r.num_layers, num_slots, r.rows, r.dim)
@@ -96,6 +113,30 @@ class V4KVCache:
         self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
         # the views each layer reads, made once: the tensors never move
         self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
+
+    @property
+    def transfer(self) -> torch.Tensor:
+        """The blocks as KV transports move them: [1, num_blocks, 1, block bytes] uint8."""
+        return self.blocks[None, :, None, :]
+
+    def save_state(self, slot: int, block_ids: list[int]) -> None:
+        """Pack ``slot``'s rings into the blocks ``block_ids`` (``num_state_blocks`` of them)."""
+        packed = torch.cat(
+            [self.tensors[n][:, slot].reshape(-1).view(torch.uint8) for n in self.rings]
+        )
+        out = self.blocks.new_zeros(len(block_ids), self.blocks.shape[1])
+        out.view(-1)[: packed.numel()] = packed
+        self.blocks[torch.tensor(block_ids, device=self.blocks.device)] = out
+
+    def load_state(self, block_ids: list[int], slot: int) -> None:
+        """Unpack rings that :meth:`save_state` packed into ``block_ids`` into ``slot``."""
+        packed = self.blocks[torch.tensor(block_ids, device=self.blocks.device)].view(-1)
+        at = 0
+        for name in self.rings:
+            ring = self.tensors[name][:, slot]  # [layers, rows, dim]
+            size = ring.numel() * ring.element_size()
+            ring.copy_(packed[at : at + size].view(ring.dtype).view(ring.shape))
+            at += size
 
     def layer(self, layer_id: int) -> LayerCache:
         return self.layers[layer_id]

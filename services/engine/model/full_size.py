@@ -1,0 +1,30 @@
+"""The published models' shapes, without weights: what benchmarks and tests size caches and
+transfers by when no full-size checkpoint is at hand."""
+
+from __future__ import annotations
+
+from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, V4ModelConfig
+
+# DeepSeek-V4-Flash, as its config.json gives it
+DEEPSEEK_V4_FLASH = V4ModelConfig(
+    vocab_size=129280,
+    hidden_size=4096,
+    moe_intermediate_size=2048,
+    num_hidden_layers=43,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1024,
+    layer_types=(SLIDING, SLIDING) + (CSA, HCA) * 20 + (CSA,),
+    mlp_layer_types=("hash_moe",) * 3 + ("moe",) * 40,
+    csa_rate=4,
+    hca_rate=128,
+    sliding_window=128,
+    o_groups=8,
+    o_lora_rank=1024,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+)
