@@ -169,7 +169,11 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
             *("--migration-limit", str(args.migration_limit)),
             *beats,
         ],
-        "eplb": ["--eplb-interval-steps", str(args.eplb_interval_steps), *beats],
+        "eplb": [
+            *("--eplb-interval-steps", str(args.eplb_interval_steps)),
+            *("--eplb-hash-interval-steps", str(args.eplb_hash_interval_steps)),
+            *beats,
+        ],
     }
     for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
         serve_args[role] = [*worker, *shlex.split(getattr(args, f"{role}_args"))]
@@ -256,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--eplb-interval-steps",
         1000,
         "the EPLB controller rebalances a group every N steps (0: only on request)",
+    )
+    flags.add(
+        up,
+        "--eplb-hash-interval-steps",
+        -1,
+        "... and its hash-routed layers (DeepSeek-V4) every N (-1: 10x the above)",
     )
     flags.add(up, "--router-skew", 0.0, "test knob: skew expert load on random weights")
     flags.add(

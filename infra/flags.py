@@ -132,6 +132,13 @@ def add_eplb_flags(p: argparse.ArgumentParser) -> None:
         d.interval_steps,
         "rebalance every N group steps (0: on request)",
     )
+    add(
+        p,
+        "--eplb-hash-interval-steps",
+        d.hash_interval_steps,
+        "rebalance hash-routed layers (DeepSeek-V4) every N group steps "
+        "(-1: 10x --eplb-interval-steps; 0: on request)",
+    )
     add(p, "--eplb-num-nodes", d.num_nodes, "nodes a group spans (hierarchical placement)")
     add(p, "--eplb-min-gain", d.min_gain, "apply a placement only if balancedness gains this much")
     add(p, "--eplb-poll", d.poll_s, "seconds between reads of the groups' expert load")
@@ -141,6 +148,7 @@ def eplb_config(args: argparse.Namespace) -> EplbConfig:
     return EplbConfig(
         service=service_config(args),
         interval_steps=args.eplb_interval_steps,
+        hash_interval_steps=args.eplb_hash_interval_steps,
         num_nodes=args.eplb_num_nodes,
         min_gain=args.eplb_min_gain,
         poll_s=args.eplb_poll,

@@ -14,6 +14,7 @@ Configurations: DeepSeek-V3 (58 MoE layers, 256 experts in 8 groups, 288 slots) 
 nodes (hierarchical policy), EP72 and EP144 on 18 nodes (8 groups % 18 nodes: global policy),
 and the ``tiny`` and ``small`` presets at EP2 and EP4 on one node with a few redundant slots.
 Loads are seeded: per layer, Zipf(1) or lognormal(sigma=1) over the experts, shuffled.
+Then DeepSeek-V4-Flash's hash-routed layers as their own class (``eplb_hash_layers.py``).
 
     python loadtest/bench_eplb.py            # writes loadtest/results/eplb.json
 """
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import eplb_hash_layers
 import numpy as np
 import torch
 from reference_eplb import rebalance_experts
@@ -207,12 +209,16 @@ def main() -> None:
             results.append(run(cfg, kind, args.seed, args.reps))
             print(report(results[-1]), flush=True)
     met = {t: all(r["targets"][t] for r in results) for t in results[0]["targets"]}
+    hashed = eplb_hash_layers.simulate(args.seed)
+    print(eplb_hash_layers.report(hashed), flush=True)
+    met.update(hashed["targets"])
     out = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
         "targets_met_everywhere": met,
         "results": results,
+        "v4_hash_layers": hashed,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

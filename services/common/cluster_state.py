@@ -114,6 +114,9 @@ class ExpertLoadReport:
     # [[group step, rows per MoE layer since start], ...]: the rows this rank's experts computed,
     # snapshotted at the same lockstep steps on every rank of a DEP group
     snapshots: list[list[Any]] = dataclasses.field(default_factory=list)
+    # MoE layers routed by token id (DeepSeek-V4's hash layers): their counts are a slow
+    # histogram of the tokens, and they are rebalanced less often
+    hash_layers: list[int] = dataclasses.field(default_factory=list)
     updated_at: float = 0.0
 
 

@@ -75,6 +75,7 @@ class ExpertLoadSnapshot:
     placement_version: int
     placement_step: int  # the group step at which that placement took effect
     snapshots: list[list[object]]  # [[group step, rows per MoE layer], ...]
+    hash_layers: list[int]  # MoE layers routed by token id: their counts come from tokens
 
 
 @dataclass
@@ -162,6 +163,7 @@ class AsyncEngine:
             eng.rebalancer.version if eng.rebalancer else 0,
             eng.placement_step,
             load.recent_snapshots(),
+            load.hash_layers,
         )
 
     @property

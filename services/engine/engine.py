@@ -352,7 +352,9 @@ class Engine:
             snapshots,
         )
         t0 = time.perf_counter()
-        hidden = self.model(torch.tensor(input_ids, device=device), batch, self.kv_cache)
+        ids = torch.tensor(input_ids)
+        self.expert_load.add_tokens(ids)  # the hash-routed layers' load (expert_load.py)
+        hidden = self.model(ids.to(device), batch, self.kv_cache)
         logits = hidden.new_empty(0)
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu()

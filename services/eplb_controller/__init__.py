@@ -5,7 +5,15 @@ from ferry.services.eplb_controller.algorithm import (
     balancedness,
     layer_balancedness,
     rebalance,
+    rebalance_layers,
     slots_changed,
 )
 
-__all__ = ["Placement", "balancedness", "layer_balancedness", "rebalance", "slots_changed"]
+__all__ = [
+    "Placement",
+    "balancedness",
+    "layer_balancedness",
+    "rebalance",
+    "rebalance_layers",
+    "slots_changed",
+]

@@ -92,6 +92,24 @@ def rebalance(
     return Placement.from_phy2log(phy2log, layout.num_logical_experts, int((phy2log != prev).sum()))
 
 
+def rebalance_layers(
+    weight: ArrayLike,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    previous: Placement | ArrayLike,
+    layers: list[int],
+) -> Placement:
+    """``rebalance`` of ``layers`` alone: every other layer keeps ``previous``'s slots (the
+    controller moves hash-routed layers less often than learned ones)."""
+    loads, prev = _as_loads(weight), _slots(previous)
+    part = rebalance(loads[layers], num_replicas, num_groups, num_nodes, num_gpus, prev[layers])
+    phy2log = prev.copy()
+    phy2log[layers] = part.phy2log
+    return Placement.from_phy2log(phy2log, loads.shape[1], part.slots_moved)
+
+
 def balancedness(weight: ArrayLike, placement: Placement | ArrayLike, num_gpus: int) -> float:
     """Mean GPU load / max GPU load, averaged over layers (1.0 is perfect)."""
     return float(layer_balancedness(weight, placement, num_gpus).mean())

@@ -6,7 +6,10 @@ the rows each rank's experts computed, steps), publishes the group's measured ba
 every ``interval_steps`` steps of the group (or on the ``Rebalance`` RPC), computes a placement
 for the summed window with ``algorithm.rebalance`` (keeping slots where that costs little) and,
 when it is predicted to balance better by ``min_gain``, orders every rank to apply it
-(``ExpertPlacement.ApplyPlacement``, all ranks at once; they switch in lockstep). The applied
+(``ExpertPlacement.ApplyPlacement``, all ranks at once; they switch in lockstep). Hash-routed
+layers (DeepSeek-V4's; the ranks report which) are a class of their own: their counts are a
+slowly decaying token histogram, so they are only moved every ``hash_every`` steps (and on the
+RPC), and a rebalance of the learned layers alone leaves their slots as they are. The applied
 placement is kept in Redis (``eplb:{group}:placement``). The controller holds no state a
 restart would lose: the ranks know their placement.
 """
@@ -35,7 +38,7 @@ from ferry.services.common.log import get_logger
 from ferry.services.common.placement_map import placement_map, slot_map
 from ferry.services.common.server import Service
 from ferry.services.eplb_controller import metrics
-from ferry.services.eplb_controller.algorithm import balancedness, rebalance
+from ferry.services.eplb_controller.algorithm import balancedness, rebalance, rebalance_layers
 from ferry.services.eplb_controller.balance import BalanceWindow, aligned_rows
 from ferry.services.eplb_controller.config import EplbConfig
 
@@ -54,6 +57,29 @@ class Group:
         return sorted(self.ranks) == list(range(len(self.ranks)))
 
 
+@dataclass
+class Schedule:
+    """When a group's layers are due: the learned-routing ones every ``every`` of its steps,
+    the hash-routed ones every ``hash_every`` (0: never on their own)."""
+
+    every: int
+    hash_every: int
+    learned_at: int = 0
+    hashed_at: int = 0
+
+    def due(self, steps: int) -> tuple[bool, bool]:
+        """(learned layers due, hash-routed layers due) at the group's step ``steps``."""
+        learned = bool(self.every) and steps - self.learned_at >= self.every
+        hashed = bool(self.hash_every) and steps - self.hashed_at >= self.hash_every
+        return learned, hashed
+
+    def done(self, steps: int, learned: bool, hashed: bool) -> None:
+        if learned:
+            self.learned_at = steps
+        if hashed:
+            self.hashed_at = steps
+
+
 class NoRebalance(Exception):
     """Why a group keeps its placement (not an error of the controller)."""
 
@@ -68,7 +94,7 @@ class EplbController(Service):
         self.worker_id = svc.name_for(self.role)
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self._windows: dict[str, BalanceWindow] = {}
-        self._rebalanced_at_step: dict[str, int] = {}
+        self._schedules: dict[str, Schedule] = {}
         self._rebalances: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._channels = ChannelPool()
@@ -134,7 +160,7 @@ class EplbController(Service):
         if self._incarnations.get(group.name, now) != now:
             log.info("group restarted; its history starts over", group=group.name)
             self._windows.pop(group.name, None)
-            self._rebalanced_at_step.pop(group.name, None)
+            self._schedules.pop(group.name, None)
         self._incarnations[group.name] = now
         self._last_seen[group.name] = time.monotonic()
 
@@ -151,7 +177,7 @@ class EplbController(Service):
         for name in gone:
             for kept in (
                 self._windows,
-                self._rebalanced_at_step,
+                self._schedules,
                 self._rebalances,
                 self._incarnations,
                 self._last_seen,
@@ -186,10 +212,13 @@ class EplbController(Service):
             if (value := window.value()) is not None:
                 metrics.BALANCEDNESS.labels(group.name).set(value)
         steps = max(r.steps_total for r in reports.values())
-        last = self._rebalanced_at_step.setdefault(group.name, 0)
-        if self.config.interval_steps and steps - last >= self.config.interval_steps:
-            result = await self.rebalance(group)
-            self._rebalanced_at_step[group.name] = steps
+        schedule = self._schedules.setdefault(
+            group.name, Schedule(self.config.interval_steps, self.config.hash_every)
+        )
+        learned, hashed = schedule.due(steps)
+        if learned or hashed:
+            result = await self.rebalance(group, learned, hashed)
+            schedule.done(steps, learned, hashed)
             if not result.applied:
                 log.info("placement kept", group=group.name, reason=result.reason)
 
@@ -199,15 +228,20 @@ class EplbController(Service):
         return (window.value() if window else None) or 0.0
 
     # ---- rebalancing ----------------------------------------------------------------------
-    async def rebalance(self, group: Group) -> eplb_pb2.GroupRebalance:
-        """Compute a placement for ``group`` and apply it (one rebalance per group at a time)."""
+    async def rebalance(
+        self, group: Group, learned: bool = True, hashed: bool = True
+    ) -> eplb_pb2.GroupRebalance:
+        """Compute a placement for ``group`` and apply it (one rebalance per group at a time);
+        ``learned`` / ``hashed``: which class of MoE layers it may move."""
         async with self._locks.setdefault(group.name, asyncio.Lock()):
             try:
-                return await self._rebalance(group)
+                return await self._rebalance(group, learned, hashed)
             except NoRebalance as e:
                 return eplb_pb2.GroupRebalance(group=group.name, applied=False, reason=str(e))
 
-    async def _rebalance(self, group: Group) -> eplb_pb2.GroupRebalance:
+    async def _rebalance(
+        self, group: Group, learned: bool, hashed: bool
+    ) -> eplb_pb2.GroupRebalance:
         reports = await self.reports(group)
         weight = np.sum([np.array(r.counts) for r in reports.values()], axis=0)  # [L, E]
         if not weight.sum():
@@ -222,7 +256,19 @@ class EplbController(Service):
             raise NoRebalance(
                 f"group {group.name}: its rank 0 did not report the model's expert groups"
             )
-        new = rebalance(weight, prev.shape[1], groups, self.config.num_nodes, size, prev)
+        hash_layers = set(reports[0].hash_layers)
+        layers = [
+            layer
+            for layer in range(weight.shape[0])
+            if (hashed if layer in hash_layers else learned)
+        ]
+        args = (prev.shape[1], groups, self.config.num_nodes, size, prev)
+        if len(layers) == weight.shape[0]:
+            new = rebalance(weight, *args)
+        elif layers:
+            new = rebalance_layers(weight, *args, layers)
+        else:
+            raise NoRebalance(f"group {group.name}: no MoE layer of the class that is due")
         before, after = balancedness(weight, prev, size), balancedness(weight, new, size)
         result = eplb_pb2.GroupRebalance(
             group=group.name,

@@ -142,6 +142,7 @@ class EngineWorker(Service):
                 placement_version=load.placement_version,
                 placement_step=load.placement_step,
                 snapshots=load.snapshots,
+                hash_layers=load.hash_layers,
             )
             with contextlib.suppress(ClusterStateError):  # Redis away: the next beat retries
                 await self.cluster.publish_expert_load(group, rank, report)

@@ -16,8 +16,10 @@ from ferry.services.eplb_controller import (
     balancedness,
     layer_balancedness,
     rebalance,
+    rebalance_layers,
     slots_changed,
 )
+from ferry.services.eplb_controller.service import Schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))  # its scripts' modules
 from reference_eplb import rebalance_experts
@@ -203,3 +205,29 @@ def test_bad_inputs() -> None:
         rebalance(np.ones((2, 16)), 16, 4, 1, 4, previous=np.full((2, 16), 16))
     with pytest.raises(ValueError, match="differ in shape"):
         slots_changed(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 18, dtype=torch.long))
+
+
+def test_rebalancing_some_layers_keeps_the_others_slots() -> None:
+    """The learned layers rebalanced alone (hash-routed ones wait for their own interval):
+    the others hold exactly the experts they held; the chosen ones as ``rebalance`` places
+    them."""
+    rng = np.random.default_rng(5)
+    weight = rng.lognormal(0.0, 1.0, (5, 16))
+    prev = ExpertPlacement.spread(5, 16, 4, 0, 4).slot_to_logical.numpy()
+    learned = [2, 3, 4]
+    new = rebalance_layers(weight, 20, 1, 1, 4, prev, learned)
+    assert (new.phy2log[:2] == prev[:2]).all()
+    alone = rebalance(weight[learned], 20, 1, 1, 4, prev[learned])
+    assert (new.phy2log[learned] == alone.phy2log).all()
+    assert new.slots_moved == alone.slots_moved > 0
+
+
+def test_hash_routed_layers_are_due_less_often() -> None:
+    schedule = Schedule(every=100, hash_every=1000)
+    due = []
+    for steps in range(0, 2101, 100):
+        learned, hashed = schedule.due(steps)
+        schedule.done(steps, learned, hashed)
+        due.append((learned, hashed))
+    assert sum(learned for learned, _ in due) == 21 and sum(h for _, h in due) == 2
+    assert Schedule(every=0, hash_every=0).due(10**6) == (False, False)

@@ -35,3 +35,33 @@ def test_engine_counts_every_routed_token() -> None:
     top_k = engine.model.config.num_experts_per_tok
     per_layer = engine.expert_load.window().sum(dim=1).tolist()
     assert per_layer == [fed * top_k] * engine.model.config.num_moe_layers
+
+
+def test_hash_layers_count_from_the_tokens_with_decay() -> None:
+    """A hash-routed layer's row is the token histogram through its table (an expert a row
+    names twice counts twice), decayed by half every half-life; its routing calls count
+    nothing (they would count the same tokens again)."""
+    load = ExpertLoad(num_moe_layers=2, num_experts=4, window_steps=4, bucket_steps=2)
+    table = torch.tensor([[0, 1], [2, 2], [3, 0]])  # token 1 names expert 2 twice
+    load.count_by_token({0: table}, half_life_steps=2)  # halved every bucket of 2 steps
+    assert load.hash_layers == [0]
+    load.add_tokens(torch.tensor([0, 1, 1, 2]))
+    load.add(0, torch.tensor([[3, 3]]))  # ignored: layer 0 counts by token
+    load.add(1, torch.tensor([[3, 3]]))
+    assert load.window().tolist() == [[2, 1, 4, 1], [0, 0, 0, 2]]
+    load.end_step()
+    load.end_step()  # a bucket is full: the histogram halves, the window keeps its bucket
+    assert load.window().tolist() == [[1, 0, 2, 0], [0, 0, 0, 2]]  # rounded: 1, 0.5, 2, 0.5
+
+
+def test_a_v4_engine_counts_its_hash_layers_from_tokens() -> None:
+    engine = Engine(EngineConfig(model="v4-tiny", enable_prefix_caching=False))
+    moe = engine.model.moe_layers()
+    hashed = [m.moe_layer for m in moe if m.gate.__class__.__name__ == "HashRouter"]
+    assert engine.expert_load.hash_layers == hashed == [0, 1]
+    prompts = [[5 + i] * (3 + 4 * i) for i in range(3)]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    fed = sum(len(p) + 4 - 1 for p in prompts)
+    top_k = engine.model.config.num_experts_per_tok
+    per_layer = engine.expert_load.window().sum(dim=1).tolist()
+    assert per_layer == [fed * top_k] * len(moe)  # no decay yet: fewer steps than a bucket

@@ -15,7 +15,7 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.config_v4 import AnyModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath
-from ferry.services.engine.model.layers import MoE
+from ferry.services.engine.model.layers import HashRouter, MoE
 
 
 class MoECausalLM(nn.Module):
@@ -75,9 +75,13 @@ class MoECausalLM(nn.Module):
             moe.ep_group = group
 
     def attach_expert_load(self, load: ExpertLoad) -> None:
-        """Count every MoE layer's routing into ``load``."""
+        """Count every MoE layer's routing into ``load``; hash-routed layers by token id."""
+        tables = {}
         for moe in self.moe_layers():
             moe.expert_load = load
+            if isinstance(moe.gate, HashRouter):
+                tables[moe.moe_layer] = moe.gate.tid2eid
+        load.count_by_token(tables)
 
     def skew_routing(self, skew: float) -> None:
         """A test knob: add a seeded ``skew * N(0, 1)`` per expert to every learned MoE layer's
