@@ -25,15 +25,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _command_of(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:  # empty while it is between fork and exec
+        return f.read()
+
+
 def test_a_child_gets_sigterm_when_its_parent_is_killed() -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", "import time\n" + PARENT], stdout=subprocess.PIPE, text=True
     )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    assert _alive(child)
-    with open(f"/proc/{child}/cmdline", "rb") as f:  # setpriv exec'd the command itself
-        assert b"time.sleep(600)" in f.read()
+    deadline = time.monotonic() + 30
+    # setpriv's own command line names the command too: wait until it is the command alone
+    while not _command_of(child).startswith(sys.executable.encode()):
+        assert _alive(child) and time.monotonic() < deadline, _command_of(child)
+        time.sleep(0.05)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 30
