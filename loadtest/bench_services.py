@@ -20,6 +20,10 @@ The measurement runs ``--rounds`` times, alternating cluster and in-process on f
 
     python loadtest/bench_services.py                   # tiny model, 1 prefill + 1 decode, ucx
     python loadtest/bench_services.py --model small --decode 2 --kv-transport grpc
+    python loadtest/bench_services.py --model v4-tiny   # DeepSeek-V4: services-v4-tiny.json
+
+Beside the rates it records the KV bytes the decode workers received per request (V4's include
+each request's state slot) and the share of prompt tokens the prefix cache served.
 """
 
 from __future__ import annotations
@@ -33,14 +37,17 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.infra.launcher import ClusterSpec, Launcher
 from ferry.infra.ports import free_port
 from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ferry.services.common.cluster_state import ClusterState, WorkerView
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -74,16 +81,19 @@ def run_inprocess(
 
 async def _one(
     stub: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], n: int
-) -> tuple[int, float]:
+) -> tuple[int, float, int]:
+    """(output tokens, TTFT, prompt tokens the prefix cache served)."""
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=params)
     sent = time.perf_counter()
-    ttft, tokens = 0.0, 0
+    ttft, tokens, cached = 0.0, 0, 0
     async for chunk in stub.Generate(req):
         if not tokens:
             ttft = time.perf_counter() - sent
         tokens += len(chunk.token_ids)
-    return tokens, ttft
+        if chunk.HasField("usage"):
+            cached = chunk.usage.cached_tokens
+    return tokens, ttft, cached
 
 
 async def _drive(address: str, prompts: list[list[int]], n: int) -> dict[str, object]:
@@ -95,7 +105,35 @@ async def _drive(address: str, prompts: list[list[int]], n: int) -> dict[str, ob
     tokens = sum(r[0] for r in results)
     assert tokens == len(prompts) * n, tokens
     ttfts = sorted(r[1] for r in results)
-    return _rate(tokens, seconds, ttft_p50_s=statistics.median(ttfts), ttft_max_s=ttfts[-1])
+    hit = sum(r[2] for r in results) / sum(len(p) for p in prompts)
+    return _rate(
+        tokens,
+        seconds,
+        ttft_p50_s=statistics.median(ttfts),
+        ttft_max_s=ttfts[-1],
+        prefix_cache_hit_rate=hit,
+    )
+
+
+def kv_bytes_moved(launcher: Launcher) -> float:
+    """KV bytes the cluster's workers have received so far (their transfer counters)."""
+
+    async def views() -> list[WorkerView]:
+        state = ClusterState(launcher.redis_url, launcher.spec.cluster)
+        try:
+            return await state.workers()
+        finally:
+            await state.close()
+
+    total = 0.0
+    for v in asyncio.run(views()):
+        if v.record.metrics_port > 0:
+            url = f"http://127.0.0.1:{v.record.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                for family in text_string_to_metric_families(reply.read().decode()):
+                    if family.name == "ferry_kv_transfer_bytes":
+                        total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
 
 
 def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
@@ -133,8 +171,10 @@ def main() -> None:
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: from memory")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="loadtest/results/services.json")
+    p.add_argument("--out", default="", help="default: loadtest/results/services[-MODEL].json")
     args = p.parse_args()
+    suffix = "" if args.model == "tiny" else f"-{Path(args.model).name}"
+    args.out = args.out or f"loadtest/results/services{suffix}.json"
     all_cores = torch.get_num_threads()
     n, span = args.output_len, tuple(args.prompt_len)
     warmup = workload(8, args.seed + 1000, span)
@@ -147,8 +187,11 @@ def main() -> None:
         asyncio.run(_drive(address, warmup, n))
         for r in range(args.rounds):
             prompts = workload(args.requests, args.seed + r, span)
+            moved = kv_bytes_moved(launcher)
+            cluster = asyncio.run(_drive(address, prompts, n))
+            cluster["kv_bytes_per_request"] = (kv_bytes_moved(launcher) - moved) / len(prompts)
             row = {
-                "cluster": asyncio.run(_drive(address, prompts, n)),
+                "cluster": cluster,
                 "inprocess_matched": run_inprocess(engine, args.worker_threads, prompts, n),
                 "inprocess_all_cores": run_inprocess(engine, all_cores, prompts, n),
             }
@@ -201,6 +244,14 @@ def main() -> None:
         "inprocess_all_cores_tokens_per_s": median("inprocess_all_cores"),
         "ratio_all_cores": ratio("inprocess_all_cores"),
         "inprocess_all_cores_threads": all_cores,
+        "kv_bytes_per_request": statistics.median(
+            float(r["cluster"]["kv_bytes_per_request"])
+            for r in rounds  # type: ignore[arg-type]
+        ),
+        "prefix_cache_hit_rate": statistics.median(
+            float(r["cluster"]["prefix_cache_hit_rate"])
+            for r in rounds  # type: ignore[arg-type]
+        ),
         "target_ratio": 0.70,
         "rounds": rounds,
     }

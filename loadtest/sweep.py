@@ -12,9 +12,10 @@ Per level it reports, from the client's per-request log: requests and failures, 
 ITL and end-to-end latency percentiles, goodput (the share of requests meeting ``--ttft-slo``
 and ``--tpot-slo``) and the prefix-cache hit rate the clients saw; and from the servers: the
 scheduler's prefix-cache hit rate, KV cache usage (sampled from the load reports in Redis),
-KV bytes moved, and expert balancedness where a service exports it.
+KV bytes moved (in all and per request), and expert balancedness where a service exports it.
 
-Writes ``loadtest/results/serve-<config>.json`` per configuration, and for the configurations of
+Writes ``loadtest/results/serve-<config>.json`` per configuration (``serve-<model>-<config>.json``
+for a model other than ``tiny``: ``--model v4-tiny`` beside V3's), and for the configurations of
 this run ``serve-pareto.png`` (output tokens/s per worker process against tokens/s per user, one
 curve per configuration) and ``serve-ttft.png`` (TTFT p50 and p99 against concurrency).
 
@@ -352,6 +353,8 @@ def measure_level(
     result["started"] = tail[0]["summary"]["started"] if tail else None
     result["unfinished"] = (result["started"] or 0) - len(rows)
     result["server"] = {**server_stats(before, after), **kv.stats()}
+    if rows:  # the prompt's KV (and, for DeepSeek-V4, its state slot) per request
+        result["server"]["kv_bytes_per_request"] = result["server"]["kv_transfer_bytes"] / len(rows)
     return result
 
 
@@ -537,7 +540,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+def plot(results: list[dict[str, Any]], out_dir: Path, prefix: str = "") -> list[Path]:
     """The Pareto plot and the TTFT plot of these configurations' results."""
     import matplotlib
 
@@ -545,7 +548,7 @@ def plot(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     title = _plot_title(results[0])
-    pareto, ttft = out_dir / "serve-pareto.png", out_dir / "serve-ttft.png"
+    pareto, ttft = out_dir / f"serve-{prefix}pareto.png", out_dir / f"serve-{prefix}ttft.png"
     fig, ax = plt.subplots(figsize=(7, 5))
     for res in results:
         pts = [lv for lv in res["levels"] if lv.get("tokens_per_s_per_user")]
@@ -643,18 +646,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _prefix(model: str) -> str:
+    """Results of the tiny preset keep their names; another model's are prefixed with it."""
+    return "" if model == "tiny" else f"{Path(model).name}-"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     names = args.configs.split(",")
     if args.plot_only or args.table:
-        results = [
-            json.loads((out_dir / f"serve-{n}.json").read_text())
-            for n in names
-            if (out_dir / f"serve-{n}.json").exists()
-        ]
+        files = [out_dir / f"serve-{_prefix(args.model)}{n}.json" for n in names]
+        results = [json.loads(f.read_text()) for f in files if f.exists()]
         print(
-            table(results) if args.table else " ".join(["wrote", *map(str, plot(results, out_dir))])
+            table(results)
+            if args.table
+            else " ".join(["wrote", *map(str, plot(results, out_dir, _prefix(args.model)))])
         )
         return
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ferry-sweep-"))
@@ -685,11 +692,15 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in names:
         res = sweep_config(CONFIGS[name], levels, trace, args, common, work_dir)
-        path = out_dir / f"serve-{name}.json"
+        path = out_dir / f"serve-{_prefix(args.model)}{name}.json"
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"wrote {path}", flush=True)
         results.append(res)
-    print("wrote", *plot(results, out_dir), f"(traces, Locust CSVs and logs: {work_dir})")
+    print(
+        "wrote",
+        *plot(results, out_dir, _prefix(args.model)),
+        f"(traces, Locust CSVs and logs: {work_dir})",
+    )
 
 
 if __name__ == "__main__":
