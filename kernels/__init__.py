@@ -8,14 +8,25 @@ import torch
 
 # Importing the backends registers them.
 from ferry.kernels import fused_moe as _fused_moe
+from ferry.kernels import indexer_topk as _indexer_topk
 from ferry.kernels import mla_decode as _mla_decode
 from ferry.kernels import mla_prefill as _mla_prefill
 from ferry.kernels import moe_routing as _moe_routing
 from ferry.kernels import rmsnorm as _rmsnorm
-from ferry.kernels import sink_attention as _sink_attention
+from ferry.kernels import sparse_mqa as _sparse_mqa
+from ferry.kernels import v4_compress as _v4_compress
 from ferry.kernels.dispatch import get_backend, implementations, resolve, set_backend
 
-_REFERENCES = (_fused_moe, _mla_decode, _mla_prefill, _moe_routing, _rmsnorm, _sink_attention)
+_REFERENCES = (
+    _fused_moe,
+    _indexer_topk,
+    _mla_decode,
+    _mla_prefill,
+    _moe_routing,
+    _rmsnorm,
+    _sparse_mqa,
+    _v4_compress,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,27 +105,41 @@ def prefill_attention(
     return out
 
 
-def sink_attention(
+def sparse_mqa(
     q: torch.Tensor,
     kv: torch.Tensor,
-    bias: torch.Tensor,
+    indices: torch.Tensor,
     sinks: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    out: torch.Tensor = resolve("sink_attention", q.device)(q, kv, bias, sinks, softmax_scale)
+    out: torch.Tensor = resolve("sparse_mqa", q.device)(q, kv, indices, sinks, softmax_scale)
+    return out
+
+
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = resolve("compress_pool", kv.device)(kv, gate)
+    return out
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, num_visible: torch.Tensor, k: int
+) -> torch.Tensor:
+    out: torch.Tensor = resolve("indexer_topk", q.device)(q, weights, keys, num_visible, k)
     return out
 
 
 __all__ = [
     "add_rms_norm",
+    "compress_pool",
     "expert_counts",
     "fused_moe",
     "get_backend",
     "implementations",
+    "indexer_topk",
     "mla_decode",
     "moe_route",
     "prefill_attention",
     "rms_norm",
     "set_backend",
-    "sink_attention",
+    "sparse_mqa",
 ]

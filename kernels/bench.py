@@ -1,4 +1,5 @@
-"""Kernel benchmark: every Triton kernel against its torch reference at DeepSeek-V3's shapes.
+"""Kernel benchmark: every Triton kernel against its torch reference at DeepSeek-V3's shapes,
+and DeepSeek-V4-Flash's for V4's ops (sparse_mqa, compress_pool, indexer_topk).
 
     python -m ferry.kernels.bench                # on a CUDA GPU; writes loadtest/results/kernels.json
     python -m ferry.kernels.bench --only mla_decode fused_moe
@@ -38,6 +39,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -124,6 +126,48 @@ TINY = Shapes(
     moe_tokens=(12,),
     decode=((3, 40),),
     prefill=((20, 36),),
+)
+
+
+@dataclass(frozen=True)
+class V4Shapes:
+    """DeepSeek-V4's attention dimensions and the batches benchmarked."""
+
+    heads: int
+    head_dim: int
+    window: int
+    index_heads: int
+    index_dim: int
+    index_topk: int
+    csa_rate: int
+    hca_rate: int
+    decode: tuple[tuple[int, int], ...]  # (batch, compressed entries each query may see)
+    prefill: tuple[tuple[int, int], ...]  # (new tokens, compressed entries of the context)
+
+
+DEEPSEEK_V4_FLASH = V4Shapes(
+    heads=64,
+    head_dim=512,
+    window=128,
+    index_heads=64,
+    index_dim=128,
+    index_topk=512,
+    csa_rate=4,
+    hca_rate=128,
+    decode=((64, 8192), (128, 32768)),
+    prefill=((4096, 2048),),
+)
+TINY_V4 = V4Shapes(
+    heads=4,
+    head_dim=48,
+    window=8,
+    index_heads=4,
+    index_dim=16,
+    index_topk=8,
+    csa_rate=4,
+    hca_rate=16,
+    decode=((3, 40),),
+    prefill=((12, 20),),
 )
 
 
@@ -295,12 +339,127 @@ def prefill_cases(s: Shapes) -> Iterator[Case]:
         )
 
 
-SUITES: dict[str, Callable[[Shapes], Iterator[Case]]] = {
-    "rms_norm": norm_cases,
-    "moe_route": route_cases,
-    "fused_moe": moe_cases,
-    "mla_decode": decode_cases,
-    "prefill_attention": prefill_cases,
+def _distinct(rows: int, k: int, count: int) -> torch.Tensor:
+    """[rows, k] distinct ids below ``count`` per row (k <= count)."""
+    return torch.rand(rows, count, device=DEVICE).topk(k, dim=1).indices
+
+
+def sparse_mqa_cases(s: V4Shapes) -> Iterator[Case]:
+    """Decode: each query its own window rows and index_topk entries out of a pool of its
+    own; prefill: every query of a chunk the same pool (its window and picks differ)."""
+    k = s.window + s.index_topk
+    scale = s.head_dim**-0.5
+    for batch, entries in s.decode:
+        pool = s.window + entries
+        kv = _randn(batch * pool, s.head_dim)
+        own = _distinct(batch, k, pool) + torch.arange(batch, device=DEVICE)[:, None] * pool
+        yield Case(
+            op="sparse_mqa",
+            shape={"queries": batch, "heads": s.heads, "head_dim": s.head_dim, "k": k},
+            args=(_randn(batch, s.heads, s.head_dim), kv, own, _randn(s.heads).float(), scale),
+            bytes=batch * (k * s.head_dim + 2 * s.heads * s.head_dim) * 2,
+            flops=4 * batch * s.heads * k * s.head_dim,
+            compare=close(BF16_TOLERANCE),
+        )
+    for tokens, entries in s.prefill:
+        pool = tokens + entries
+        yield Case(
+            op="sparse_mqa",
+            shape={
+                "queries": tokens,
+                "heads": s.heads,
+                "head_dim": s.head_dim,
+                "k": k,
+                "pool": pool,
+            },
+            args=(
+                _randn(tokens, s.heads, s.head_dim),
+                _randn(pool, s.head_dim),
+                _distinct(tokens, k, pool),
+                _randn(s.heads).float(),
+                scale,
+            ),
+            bytes=(pool * s.head_dim + 2 * tokens * s.heads * s.head_dim) * 2,
+            flops=4 * tokens * s.heads * k * s.head_dim,
+            compare=close(BF16_TOLERANCE),
+        )
+
+
+def compress_cases(s: V4Shapes) -> Iterator[Case]:
+    """The entries a prefill chunk emits: CSA windows (2 x rate rows with the overlap), HCA."""
+    for tokens, _ in s.prefill:
+        for rows, entries in (
+            (2 * s.csa_rate, tokens // s.csa_rate),
+            (s.hca_rate, max(1, tokens // s.hca_rate)),
+        ):
+            kv, gate = _randn(entries, rows, s.head_dim), _randn(entries, rows, s.head_dim)
+            yield Case(
+                op="compress_pool",
+                shape={"entries": entries, "rows": rows, "width": s.head_dim},  # rows: CSA or HCA
+                args=(kv, gate),
+                bytes=(2 * rows + 1) * entries * s.head_dim * 2,
+                flops=5 * entries * rows * s.head_dim,
+                compare=close(BF16_TOLERANCE),
+            )
+
+
+def same_picks(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The indexer: the share of (query, pick) the two disagree on, as sets (bfloat16 scores
+    can swap near-equal entries at the k-th place); at most 1%."""
+    shared = sum(
+        sum((Counter(a) & Counter(b)).values())  # -1 may repeat: count it as often
+        for a, b in zip(ours.tolist(), ref.tolist(), strict=True)
+    )
+    missing = 1.0 - shared / ref.numel()
+    if missing > 0.01:
+        raise AssertionError(f"{missing:.2%} of the picks differ")
+    return missing
+
+
+def indexer_cases(s: V4Shapes) -> Iterator[Case]:
+    h, d, k = s.index_heads, s.index_dim, s.index_topk
+    for batch, entries in s.decode:
+        keys = _randn(batch, entries, d)
+        visible = torch.randint(entries // 2, entries + 1, (batch,), device=DEVICE)
+        yield Case(
+            op="indexer_topk",
+            shape={"queries": batch, "heads": h, "dim": d, "entries": entries, "k": k},
+            args=(_randn(batch, h, d), torch.rand(batch, h, device=DEVICE), keys, visible, k),
+            bytes=batch * entries * d * 2,
+            flops=2 * batch * h * entries * d,
+            compare=same_picks,
+        )
+    for tokens, entries in s.prefill:
+        keys = _randn(entries, d)
+        visible = torch.linspace(1, entries, tokens, device=DEVICE).long()  # a causal chunk
+        yield Case(
+            op="indexer_topk",
+            shape={"queries": tokens, "heads": h, "dim": d, "entries": entries, "k": k},
+            args=(_randn(tokens, h, d), torch.rand(tokens, h, device=DEVICE), keys, visible, k),
+            bytes=entries * d * 2 + tokens * h * d * 2,
+            flops=tokens * h * entries * d,  # half the pairs are visible
+            compare=same_picks,
+        )
+
+
+def _v3(cases: Callable[[Shapes], Iterator[Case]]) -> Callable[[bool], Iterator[Case]]:
+    return lambda tiny: cases(TINY if tiny else DEEPSEEK_V3)
+
+
+def _v4(cases: Callable[[V4Shapes], Iterator[Case]]) -> Callable[[bool], Iterator[Case]]:
+    return lambda tiny: cases(TINY_V4 if tiny else DEEPSEEK_V4_FLASH)
+
+
+# suite -> its cases at the tiny shapes (True) or the real model's: DeepSeek-V3, V4-Flash
+SUITES: dict[str, Callable[[bool], Iterator[Case]]] = {
+    "rms_norm": _v3(norm_cases),
+    "moe_route": _v3(route_cases),
+    "fused_moe": _v3(moe_cases),
+    "mla_decode": _v3(decode_cases),
+    "prefill_attention": _v3(prefill_cases),
+    "sparse_mqa": _v4(sparse_mqa_cases),
+    "compress_pool": _v4(compress_cases),
+    "indexer_topk": _v4(indexer_cases),
 }
 
 
@@ -424,9 +583,8 @@ def _machine() -> dict[str, Any]:
 
 
 def _rows(names: list[str], tiny: bool, ceilings: Ceilings) -> Iterator[dict[str, Any]]:
-    shapes = TINY if tiny else DEEPSEEK_V3
     for name in names:
-        for case in SUITES[name](shapes):
+        for case in SUITES[name](tiny):
             yield run_case(case, ceilings)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
@@ -486,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         "roofline_ceilings": next(
             k for k in ("measured", "card_datasheet", "h200_datasheet") if k in ceilings
         ),
-        "shapes": "tiny" if args.tiny else "deepseek_v3",
+        "shapes": "tiny" if args.tiny else "deepseek_v3 / deepseek_v4_flash",
         "complete": False,
         "results": [],
     }

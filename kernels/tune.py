@@ -122,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     started = time.perf_counter()
-    shapes = bench.TINY if args.tiny else bench.DEEPSEEK_V3
     for op in args.only or list(TILINGS):
         tilings = list(TILINGS[op]())[: TINY_TILINGS if args.tiny else None]
-        for case in bench.SUITES[op](shapes):
+        for case in bench.SUITES[op](args.tiny):
             row = tune_case(case, tilings)
             result["results"].append(row)
             result["seconds"] = round(time.perf_counter() - started, 1)

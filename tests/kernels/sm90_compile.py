@@ -361,7 +361,9 @@ def problems(builds: list[Build]) -> list[str]:
 
 
 def main() -> int:
-    builds = deepseek_v3_builds()
+    from tests.kernels.sm90_compile_v4 import deepseek_v4_builds  # here: it imports this module
+
+    builds = deepseek_v3_builds() + deepseek_v4_builds()
     for b in builds:
         print(f"{b.name:36s} shared {b.shared:7d} B  registers {b.registers:3d}  local {b.local} B")
     for problem in problems(builds):

@@ -20,6 +20,9 @@ OPS = (
     "fused_moe",
     "mla_decode",
     "prefill_attention",
+    "sparse_mqa",
+    "compress_pool",
+    "indexer_topk",
 )
 
 

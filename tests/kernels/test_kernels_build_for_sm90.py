@@ -24,6 +24,11 @@ KERNELS = (
     "mla_decode split",
     "mla_decode merge",
     "prefill_attention",
+    "sparse_mqa",
+    "compress_pool CSA",
+    "compress_pool HCA",
+    "indexer_topk (shared keys)",
+    "indexer_topk (per-query keys)",
 )
 
 

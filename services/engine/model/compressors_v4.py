@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ferry import kernels as ops
 from ferry.services.engine.model.config_v4 import V4ModelConfig
 from ferry.services.engine.model.kv_cache_v4 import CompressorCache
 from ferry.services.engine.model.rope import V4Rope
@@ -194,8 +194,7 @@ class Compressor(nn.Module):
             prev_gate = (prev_gate + self.position_bias)[..., :d].masked_fill(none, NEG_INF)
             kv = torch.cat((prev_kv, kv[..., d:]), dim=1)  # [N, 2m, d]
             gate = torch.cat((prev_gate, gate[..., d:]), dim=1)
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        pooled = self.kv_norm((kv * weights).sum(dim=1))
+        pooled = self.kv_norm(ops.compress_pool(kv, gate))
         cos, sin = rope.cos_sin(w * m, "compress", pooled.dtype)
         return V4Rope.rotate(pooled[:, None], cos, sin)[:, 0]
 
@@ -278,13 +277,9 @@ class Indexer(Compressor):
         n, d = x.shape[0], self.head_dim
         q = self.q_b_proj(q_residual).view(n, self.heads, d)
         q = V4Rope.rotate(q, *rope.cos_sin(positions, "compress", q.dtype))
-        scores = F.relu(torch.matmul(q.float(), keys.float().T)) * d**-0.5  # [n, heads, E]
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [n, heads]
-        total = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [n, E]
-        visible = self.visible(positions, keys.shape[0])
-        total = total.masked_fill(~visible, NEG_INF)
-        picks = total.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.where(visible.gather(1, picks), picks, torch.full_like(picks, -1))
+        num_visible = (positions + 1) // self.rate  # see `visible`
+        return ops.indexer_topk(q, weights, keys, num_visible, min(self.topk, keys.shape[0]))
 
     def decode_pick(
         self,
@@ -302,12 +297,11 @@ class Indexer(Compressor):
         n, d = x.shape[0], self.head_dim
         q = self.q_b_proj(q_residual).view(n, self.heads, d)
         q = V4Rope.rotate(q, *rope.cos_sin(step.positions, "compress", q.dtype))
-        scores = F.relu(torch.einsum("bhd,bed->bhe", q.float(), keys.float())) * d**-0.5
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [B, heads]
-        total = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~real, NEG_INF)
-        picks = total.topk(min(self.topk, keys.shape[1]), dim=-1).indices
-        chosen = torch.zeros_like(real)
-        return chosen.scatter_(1, picks, real.gather(1, picks))
+        picks = ops.indexer_topk(q, weights, keys, real.sum(dim=1), min(self.topk, keys.shape[1]))
+        chosen = torch.zeros(n, keys.shape[1] + 1, dtype=torch.bool, device=x.device)
+        chosen.scatter_(1, torch.where(picks >= 0, picks, keys.shape[1]), True)
+        return chosen[:, :-1]  # the last column took the -1 picks
 
 
 class CSACompressor(Compressor):

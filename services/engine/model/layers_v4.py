@@ -23,7 +23,6 @@ from ferry import kernels as ops
 from ferry.kernels.moe_routing.reference import expert_scores
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.compressors_v4 import (
-    NEG_INF,
     Compressor,
     CSACompressor,
     DecodeStep,
@@ -170,15 +169,19 @@ class V4Attention(nn.Module):
         step = batch.decode
         if step is not None:  # decode tokens: one batched pass
             i = step.rows
-            keys, bias = self._decode_context(x[i], kv[i], q_residual[i], step, cache, rope)
-            out[i] = ops.sink_attention(q[i], keys, bias, self.sinks, self.softmax_scale)
+            keys, seen = self._decode_context(x[i], kv[i], q_residual[i], step, cache, rope)
+            pool = keys.reshape(-1, keys.shape[-1])  # query b's keys are rows b * S ..
+            offsets = torch.arange(len(keys), device=x.device)[:, None] * keys.shape[1]
+            indices = _indices(seen)
+            indices = torch.where(indices >= 0, indices + offsets, indices)
+            out[i] = ops.sparse_mqa(q[i], pool, indices, self.sinks, self.softmax_scale)
             for slot, snap in step.snapshots:
                 cache.save(slot, snap)
         for seq in batch.chunks:  # prefill chunks, one at a time
             for piece, snapshot in seq.pieces():
                 r = piece.rows
-                keys, bias = self._context(x[r], kv[r], q_residual[r], piece, cache, rope)
-                out[r] = ops.sink_attention(q[r], keys, bias, self.sinks, self.softmax_scale)
+                keys, seen = self._context(x[r], kv[r], q_residual[r], piece, cache, rope)
+                out[r] = ops.sparse_mqa(q[r], keys, _indices(seen), self.sinks, self.softmax_scale)
                 if snapshot is not None:
                     cache.save(piece.slot, snapshot)
         out = V4Rope.rotate(out, cos, -sin)
@@ -193,8 +196,9 @@ class V4Attention(nn.Module):
         cache: LayerCache,
         rope: V4Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys a sequence's queries read, [window rows | compressed entries], and the
-        additive bias [n, keys] that says which each query sees."""
+        """The keys a sequence's queries may read, [window rows | compressed entries], and
+        which each query reads [n, keys] (its window; the entries it sees, or that its indexer
+        chose)."""
         done, n, positions = seq.done, x.shape[0], seq.positions
         ring = cache.swa[seq.slot]
         first = max(0, done - self.window + 1)
@@ -203,7 +207,7 @@ class V4Attention(nn.Module):
         dist = positions[:, None] - torch.arange(first, done + n, device=x.device)[None, :]
         seen = (dist >= 0) & (dist < self.window)  # the last `window` tokens, itself included
         if self.compressor is None:
-            return window, _bias(seen)
+            return window, seen
         assert cache.compressor is not None
         entries = self.compressor.entries(x, seq, cache.compressor, rope)
         visible = self.compressor.visible(positions, entries.shape[0])
@@ -215,7 +219,7 @@ class V4Attention(nn.Module):
             chosen = torch.zeros(n, spare + 1, dtype=torch.bool, device=x.device)
             chosen.scatter_(1, torch.where(picks >= 0, picks, spare), True)
             visible = chosen[:, :spare]
-        return torch.cat((window, entries)), _bias(torch.cat((seen, visible), dim=1))
+        return torch.cat((window, entries)), torch.cat((seen, visible), dim=1)
 
     def _decode_context(
         self,
@@ -227,27 +231,31 @@ class V4Attention(nn.Module):
         rope: V4Rope,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``_context`` for B sequences of one token each: keys [B, keys, dim] per sequence (its
-        window ring, then its entries, padded) and the bias [B, keys]."""
+        window ring, then its entries, padded) and which each reads [B, keys]."""
         pos, slots, size = step.positions, step.slots, cache.swa.shape[1]
         cache.swa[slots, pos % size] = kv.to(cache.swa.dtype)
         window = cache.swa[slots]  # [B, size, dim]: positions pos - size + 1 .. pos
         ring_pos = pos[:, None] - (pos[:, None] - torch.arange(size, device=x.device)) % size
         seen = ring_pos >= 0  # the rows of positions before 0 were never written
         if self.compressor is None:
-            return window, _bias(seen)
+            return window, seen
         assert cache.compressor is not None
         entries, visible = self.compressor.decode_entries(x, step, cache.compressor, rope)
         if isinstance(self.compressor, CSACompressor):  # before any entry too: its rows
             assert cache.indexer is not None
             indexer = self.compressor.indexer
             visible = indexer.decode_pick(x, q_residual, step, cache.indexer, rope)
-        return torch.cat((window, entries), dim=1), _bias(torch.cat((seen, visible), dim=1))
+        return torch.cat((window, entries), dim=1), torch.cat((seen, visible), dim=1)
 
 
-def _bias(seen: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill(
-        ~seen, NEG_INF
-    )
+def _indices(seen: torch.Tensor) -> torch.Tensor:
+    """[n, keys] bool -> [n, k] the columns each row reads, in order, -1 after (k: the most
+    any row reads)."""
+    cols = seen.shape[1]
+    k = int(seen.sum(dim=1).max()) if seen.numel() else 0
+    index = torch.arange(cols, device=seen.device).expand_as(seen)
+    index = torch.where(seen, index, cols).sort(dim=1).values[:, :k]
+    return index.masked_fill(index == cols, -1)
 
 
 # ---- MoE ------------------------------------------------------------------------------------
