@@ -158,7 +158,7 @@ def test_a_request_whose_decode_worker_is_killed_moves_on(cluster: Cluster, engi
     """--migration-limit 1: kill -9 of the decode worker streaming a request. The request is
     prefilled again with what it had generated (its state recomputed from the tokens) and
     decoded on the other worker; the client gets the tokens of a request that never moved."""
-    prompt, n = PROMPTS[1], 160
+    prompt, n = PROMPTS[1], 100
 
     async def main() -> tuple[list[int], int, str]:
         sent_at = time.time()
