@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode clean redis
 
 setup: $(STAMP) redis
 
@@ -114,6 +114,10 @@ bench-migration: setup
 # 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
 bench-services: setup
 	$(PY) loadtest/bench_services.py $(BENCH_ARGS)
+
+# One user's decode step, in-process: forward vs the rest, and the operators it launches
+profile-decode: setup
+	$(PY) loadtest/profile_decode.py $(BENCH_ARGS)
 
 # MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
 bench-wide-ep: setup

@@ -1,0 +1,132 @@
+"""Where one user's decode step goes, in-process: the first measurement of issue 31.
+
+One request (a 600-token prompt, greedy, 128 tokens) through ``Engine.step()`` with 2 torch
+threads, as llama.cpp runs with ``-t 2``. Per decode step: the whole step, the model's forward
+(``StepStats.forward_s``, logits included) and the rest (planning, the batch, sampling, output
+processing). Then ``torch.profiler`` over a few decode steps: how many tensor operations and
+matrix products one step launches, and which operators take the CPU time.
+
+    python loadtest/profile_decode.py                   # tiny → profile-decode-tiny.json
+    python loadtest/profile_decode.py --model v4-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::einsum")
+
+
+def decode_steps(engine: Engine, prompt: list[int], tokens: int) -> list[tuple[float, float]]:
+    """(step seconds, forward seconds) of each decode step of one request."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(f"r{time.monotonic_ns()}", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - started
+        stats = engine.last_step
+        if stats is not None and stats.num_tokens == 1:  # a decode step
+            steps.append((total, stats.forward_s))
+    return steps
+
+
+def op_profile(engine: Engine, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Operators of ``steps`` decode steps (the prefill before them is left out)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    engine.add_request("profiled", prompt, params)
+    engine.step()  # the prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    total_us = sum(e.self_cpu_time_total for e in ops)
+    return {
+        "steps": steps,
+        "aten_calls_per_step": sum(e.count for e in ops) / steps,
+        "matmuls_per_step": sum(e.count for e in ops if e.key in MATMULS) / steps,
+        "top_ops_by_self_cpu": [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / steps,
+                "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                "share": e.self_cpu_time_total / total_us,
+            }
+            for e in top
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--prompt-len", type=int, default=600)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--out", default="", help="default: loadtest/results/profile-decode-MODEL.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(model=args.model))
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
+    decode_steps(engine, prompt, 16)  # warm-up (another prompt: no prefix hit below)
+    prompt = [t % 249 + 1 for t in prompt[1:]] + [7]
+    steps = decode_steps(engine, prompt, args.tokens)
+    total = [s for s, _ in steps]
+    forward = [f for _, f in steps]
+    ms = statistics.median(total) * 1e3
+    fwd = statistics.median(forward) * 1e3
+    ops = op_profile(engine, [t % 248 + 2 for t in prompt], args.profile_steps)
+    result = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "torch_threads": args.threads,
+        },
+        "model": args.model,
+        "prompt_len": args.prompt_len,
+        "decode_steps": len(steps),
+        "ms_per_token_median": ms,
+        "forward_ms_median": fwd,
+        "outside_forward_ms_median": ms - fwd,
+        "outside_forward_share": (ms - fwd) / ms,
+        "operators": ops,
+    }
+    out = Path(args.out or f"loadtest/results/profile-decode-{args.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"{args.model}: {ms:.2f} ms per token ({fwd:.2f} in the forward, "
+        f"{(ms - fwd) / ms:.0%} outside); {ops['aten_calls_per_step']:.0f} tensor ops and "
+        f"{ops['matmuls_per_step']:.0f} matrix products per step"
+    )
+    for row in ops["top_ops_by_self_cpu"][:8]:
+        print(
+            f"  {row['op']:<28} {row['calls_per_step']:6.1f} calls "
+            f"{row['self_ms_per_step']:6.3f} ms {row['share']:5.1%}"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
