@@ -37,12 +37,11 @@ import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from sweep import scrape
 
 from ferry.infra.launcher import ClusterSpec, Launcher
 from ferry.infra.ports import free_port
@@ -125,15 +124,13 @@ def kv_bytes_moved(launcher: Launcher) -> float:
         finally:
             await state.close()
 
-    total = 0.0
-    for v in asyncio.run(views()):
-        if v.record.metrics_port > 0:
-            url = f"http://127.0.0.1:{v.record.metrics_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                for family in text_string_to_metric_families(reply.read().decode()):
-                    if family.name == "ferry_kv_transfer_bytes":
-                        total += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return total
+    return sum(
+        value
+        for v in asyncio.run(views())
+        if v.record.metrics_port > 0
+        for key, value in scrape(f"http://127.0.0.1:{v.record.metrics_port}/metrics")
+        if key.startswith("ferry_kv_transfer_bytes_total")
+    )
 
 
 def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:

@@ -122,7 +122,7 @@ class Engine:
             self.model_fingerprint.encode(),
             num_slots,
             num_snapshots,
-            spec.state_blocks(self.block_size, itemsize) if spec.rings else 0,
+            spec.state_blocks(self.block_size, itemsize),
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = mc.eos_token_ids or (

@@ -114,8 +114,9 @@ class ExpertLoad:
         for p in parts:
             total += p.cpu()
         if tokens is not None:
+            top_k = next(iter(self.hash_tables.values())).shape[1]
+            per_choice = tokens.repeat_interleave(top_k)  # every table names top_k a token
             for layer, table in self.hash_tables.items():
-                per_choice = tokens.repeat_interleave(table.shape[1])
                 row = torch.zeros(self.shape[1], dtype=torch.float64)
                 total[layer] = row.index_add_(0, table.reshape(-1), per_choice).round().long()
         return total

@@ -40,8 +40,7 @@ class LayoutFingerprint:
     def of(
         cls, model_fingerprint: str, dtype: str, block_size: int, spec: CacheSpec
     ) -> LayoutFingerprint:
-        itemsize = _DTYPE_BYTES[dtype]
-        state_blocks = spec.state_blocks(block_size, itemsize) if spec.rings else 0
+        state_blocks = spec.state_blocks(block_size, _DTYPE_BYTES[dtype])
         return cls(model_fingerprint, dtype, block_size, spec.groups, spec.rings, state_blocks)
 
     @property

@@ -101,7 +101,6 @@ class V4KVCache:
             )
             at += size
         self.rings = [r.name for r in spec.rings]
-        self.num_state_blocks = spec.state_blocks(block_size, itemsize)
         self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
         for r in spec.rings:
             shape = (r.num_layers, num_slots, r.rows, r.dim)
@@ -120,7 +119,7 @@ class V4KVCache:
         return self.blocks[None, :, None, :]
 
     def save_state(self, slot: int, block_ids: list[int]) -> None:
-        """Pack ``slot``'s rings into the blocks ``block_ids`` (``num_state_blocks`` of them)."""
+        """Pack ``slot``'s rings into the blocks ``block_ids`` (``CacheSpec.state_blocks``)."""
         packed = torch.cat(
             [self.tensors[n][:, slot].reshape(-1).view(torch.uint8) for n in self.rings]
         )
