@@ -147,7 +147,6 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         args.kv_transport,
         "--torch-threads",
         str(args.torch_threads),
-        *shlex.split(args.worker_args),
     ]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
@@ -155,6 +154,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         worker += ["--num-redundant-experts", str(args.num_redundant_experts)]
     if args.router_skew:
         worker += ["--router-skew", str(args.router_skew)]
+    if args.enforce_eager:
+        worker += ["--enforce-eager"]
+    worker += shlex.split(args.worker_args)  # last: they win
     serve_args = {
         "gateway": [
             *("--model", args.model),
@@ -268,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "... and its hash-routed layers (DeepSeek-V4) every N (-1: 10x the above)",
     )
     flags.add(up, "--router-skew", 0.0, "test knob: skew expert load on random weights")
+    flags.add_switch(
+        up, "--enforce-eager", "workers run every step eagerly (no compiled decode graphs)"
+    )
     flags.add(
         up, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"
     )

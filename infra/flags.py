@@ -122,6 +122,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--num-redundant-experts", w.num_redundant_experts, "extra expert slots per layer")
     add(p, "--dep-timeout", w.dep_timeout_s, "seconds before a silent rank fails its group")
     add(p, "--router-skew", d.router_skew, "test knob: seeded router bias that skews expert load")
+    add_switch(p, "--enforce-eager", "no compiled decode graphs: every step runs eagerly")
+    add(p, "--max-graph-batch", d.max_graph_batch, "largest decode batch the compiled graphs run")
 
 
 def add_eplb_flags(p: argparse.ArgumentParser) -> None:
@@ -293,6 +295,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         router_skew=args.router_skew,
+        enforce_eager=args.enforce_eager,
+        max_graph_batch=args.max_graph_batch,
     )
     return WorkerConfig(
         service=service_config(args),

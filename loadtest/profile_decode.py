@@ -1,13 +1,15 @@
-"""Where one user's decode step goes, in-process: the first measurement of issue 31.
+"""Where one user's decode step goes, in-process, eager and compiled side by side (issue 31).
 
 One request (a 600-token prompt, greedy, 128 tokens) through ``Engine.step()`` with 2 torch
-threads, as llama.cpp runs with ``-t 2``. Per decode step: the whole step, the model's forward
-(``StepStats.forward_s``, logits included) and the rest (planning, the batch, sampling, output
-processing). Then ``torch.profiler`` over a few decode steps: how many tensor operations and
-matrix products one step launches, and which operators take the CPU time.
+threads, as llama.cpp runs with ``-t 2``, on two engines that take turns: one with
+``enforce_eager=True``, one with the default compiled decode graphs. Per decode step: the whole
+step, the model's forward (``StepStats.forward_s``, logits included) and the rest (planning, the
+batch, sampling, output processing). Then ``torch.profiler`` over a few decode steps: how many
+dispatcher operations and matrix products one step launches (a compiled graph's fused C++ loops
+are not operators: only what it hands to ATen/BLAS counts), and which take the CPU time.
 
     python loadtest/profile_decode.py                   # tiny → profile-decode-tiny.json
-    python loadtest/profile_decode.py --model v4-tiny
+    python loadtest/profile_decode.py --model v4-tiny   # (no graph yet: both eager)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
+MODES = ("eager", "compiled")  # EngineConfig(enforce_eager=True), and the default
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::einsum")
 
 
@@ -80,21 +83,26 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="", help="default: loadtest/results/profile-decode-MODEL.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model=args.model))
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
-    decode_steps(engine, prompt, 16)  # warm-up (another prompt: no prefix hit below)
-    prompt = [t % 249 + 1 for t in prompt[1:]] + [7]
-    steps = decode_steps(engine, prompt, args.tokens)
-    total = [s for s, _ in steps]
-    forward = [f for _, f in steps]
-    ms = statistics.median(total) * 1e3
-    fwd = statistics.median(forward) * 1e3
-    ops = op_profile(engine, [t % 248 + 2 for t in prompt], args.profile_steps)
-    result = {
+    base = torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
+    engines = {}
+    for mode in MODES:
+        started = time.perf_counter()
+        engine = Engine(EngineConfig(model=args.model, enforce_eager=mode == "eager"), log=print)
+        print(f"{mode}: engine ready in {time.perf_counter() - started:.1f} s")
+        decode_steps(engine, base, 16)  # warm-up (another prompt: no prefix hit below)
+        engines[mode] = engine
+    # the modes take turns, a fresh prompt each round: the machine's noise falls on both
+    steps: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
+    for round_ in range(args.rounds):
+        prompt = [(t + round_) % 249 + 1 for t in base[1:]] + [7]
+        for mode in MODES:
+            steps[mode] += decode_steps(engines[mode], prompt, args.tokens)
+    result: dict[str, Any] = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
@@ -105,26 +113,38 @@ def main() -> None:
         },
         "model": args.model,
         "prompt_len": args.prompt_len,
-        "decode_steps": len(steps),
-        "ms_per_token_median": ms,
-        "forward_ms_median": fwd,
-        "outside_forward_ms_median": ms - fwd,
-        "outside_forward_share": (ms - fwd) / ms,
-        "operators": ops,
     }
+    for mode in MODES:
+        total = [s for s, _ in steps[mode]]
+        ms = statistics.median(total) * 1e3
+        fwd = statistics.median(f for _, f in steps[mode]) * 1e3
+        ops = op_profile(engines[mode], [t % 248 + 2 for t in base], args.profile_steps)
+        result[mode] = {
+            "decode_steps": len(total),
+            "ms_per_token_median": ms,
+            "forward_ms_median": fwd,
+            "outside_forward_ms_median": ms - fwd,
+            "outside_forward_share": (ms - fwd) / ms,
+            "graph_steps": engines[mode].graphs.steps if engines[mode].graphs else 0,
+            "operators": ops,
+        }
+        print(
+            f"{args.model} {mode}: {ms:.2f} ms per token ({fwd:.2f} in the forward, "
+            f"{(ms - fwd) / ms:.0%} outside); {ops['aten_calls_per_step']:.0f} tensor ops and "
+            f"{ops['matmuls_per_step']:.0f} matrix products per step"
+        )
+        for row in ops["top_ops_by_self_cpu"][:8]:
+            print(
+                f"  {row['op']:<28} {row['calls_per_step']:6.1f} calls "
+                f"{row['self_ms_per_step']:6.3f} ms {row['share']:5.1%}"
+            )
+    result["speedup"] = (
+        result["eager"]["ms_per_token_median"] / result["compiled"]["ms_per_token_median"]
+    )
     out = Path(args.out or f"loadtest/results/profile-decode-{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        f"{args.model}: {ms:.2f} ms per token ({fwd:.2f} in the forward, "
-        f"{(ms - fwd) / ms:.0%} outside); {ops['aten_calls_per_step']:.0f} tensor ops and "
-        f"{ops['matmuls_per_step']:.0f} matrix products per step"
-    )
-    for row in ops["top_ops_by_self_cpu"][:8]:
-        print(
-            f"  {row['op']:<28} {row['calls_per_step']:6.1f} calls "
-            f"{row['self_ms_per_step']:6.3f} ms {row['share']:5.1%}"
-        )
+    print(f"compiled decode: {result['speedup']:.2f}x eager")
     print(f"wrote {out}")
 
 

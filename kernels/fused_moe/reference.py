@@ -26,6 +26,8 @@ def fused_moe_torch(
     a slot chosen twice for one token counts twice, each with its own weight.
     swiglu_limit: None, or L: silu(min(gate, L)) * clamp(up, -L, L).
     """
+    if torch.compiler.is_compiling():
+        return fused_moe_gathered(hidden, w13, w2, topk_weights, topk_slots, swiglu_limit)
     num_tokens, top_k = topk_slots.shape
     out = torch.zeros_like(hidden)
     if num_tokens == 0:
@@ -45,6 +47,27 @@ def fused_moe_torch(
         y = F.linear(swiglu(gate, up, swiglu_limit), w2[slot])  # [n, hidden]
         out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(out.dtype))
     return out
+
+
+def fused_moe_gathered(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_slots: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """``fused_moe_torch`` for captured graphs: each token's chosen experts' weights are read
+    where they lie (inductor fuses the gather into the products), no sort, no host sync, no
+    shape that depends on the routing. It reads ``top_k`` experts per token, so it is for small
+    batches: at batch 1 it reads exactly what the arithmetic needs."""
+    valid = topk_slots >= 0
+    slots = topk_slots.clamp(min=0)
+    h = torch.einsum("tkoh,th->tko", w13[slots], hidden)  # [T, top_k, 2 * inter]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.einsum("tkhi,tki->tkh", w2[slots], swiglu(gate, up, swiglu_limit))
+    weights = torch.where(valid, topk_weights, 0.0)
+    return (y * weights[..., None]).sum(dim=1).to(hidden.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:

@@ -52,12 +52,17 @@ def mla_decode_torch(
     """
     batch = q.shape[0]
     block_size = kv_cache.shape[1]
-    max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
-    kv = _gather(kv_cache, tables).view(batch, num_blocks * block_size, -1)[
-        :, :max_len
-    ]  # [B, L, D]
+    if torch.compiler.is_compiling():
+        # a captured graph reads the table's whole width: no host sync, no shape from the data
+        num_blocks = block_tables.shape[1]
+        max_len = num_blocks * block_size
+        tables = block_tables.clamp(min=0).reshape(-1)
+        kv = kv_cache[tables].view(batch, max_len, -1)
+    else:
+        max_len = int(seq_lens.max())
+        num_blocks = (max_len + block_size - 1) // block_size
+        tables = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
+        kv = _gather(kv_cache, tables).view(batch, num_blocks * block_size, -1)[:, :max_len]
     scores = torch.einsum("bhd,bld->bhl", q, kv).float() * softmax_scale
     pos = torch.arange(max_len, device=q.device)
     scores.masked_fill_(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))

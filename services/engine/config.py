@@ -3,7 +3,8 @@ builds it from flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
@@ -28,6 +29,13 @@ class EngineConfig:
     # Test knob: skew the router on purpose (seeded; see DeepseekV3ForCausalLM.skew_routing), so
     # that expert load is uneven on random weights and EPLB has something to balance.
     router_skew: float = 0.0
+    # True: every step runs eagerly. False (the default): decode steps of up to
+    # ``max_graph_batch`` sequences run compiled graphs (decode_graphs.py), compiled at start-up.
+    # FERRY_ENFORCE_EAGER=1 changes the default (the test suite runs eager unless a test asks).
+    enforce_eager: bool = field(
+        default_factory=lambda: os.environ.get("FERRY_ENFORCE_EAGER", "0") == "1"
+    )
+    max_graph_batch: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
@@ -44,6 +52,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
+        if self.max_graph_batch < 1:
+            raise ValueError("max_graph_batch must be at least 1")
         if self.router_skew < 0:
             raise ValueError("router_skew must be >= 0")
 

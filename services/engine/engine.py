@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import torch
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.common.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from ferry.services.engine.config import EngineConfig
+from ferry.services.engine.decode_graphs import DecodeGraphs
 from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.expert_rebalance import Rebalancer
@@ -78,9 +79,11 @@ class Engine:
         config: EngineConfig | None = None,
         placement: ExpertPlacement | None = None,
         ep_group: EPGroup | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """``placement`` and ``ep_group`` make this engine one rank of a DEP group: it holds
-        only its expert slots, and every step runs in lockstep with the other ranks."""
+        only its expert slots, and every step runs in lockstep with the other ranks. ``log``
+        hears the start-up's progress (compiling the decode graphs)."""
         self.config = config = config or EngineConfig()
         dtype: torch.dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model, dtype, config.device, placement)
@@ -125,6 +128,23 @@ class Engine:
             spec.state_blocks(self.block_size, itemsize),
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.graphs: DecodeGraphs | None = None
+        # DEP ranks exchange tokens inside their MoE layers: a graph cannot hold that. On CUDA
+        # the same graphs would be captured as CUDA graphs; only the CPU build exists so far.
+        if (
+            not config.enforce_eager
+            and self.model.has_decode_graph
+            and ep_group is None
+            and self.model.device.type == "cpu"
+        ):
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.block_size,
+                self.max_model_len,
+                min(config.max_graph_batch, config.max_num_seqs),
+                log,
+            )
         eos = mc.eos_token_ids or (
             () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         )
@@ -339,6 +359,9 @@ class Engine:
                 sampling.append(req)
             for pos in _prompt_logprob_positions(req, start, n):
                 prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
+        if not prompt_rows and self._graph_step(plan, len(sampling)):
+            logits, forward_s = self._forward_graph(plan, input_ids)
+            return logits, sampling, forward_s
         device = self.model.device
         snapshots = self._take_snapshots(plan)
         batch = ForwardBatch.build(
@@ -370,6 +393,30 @@ class Engine:
                 block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
                 self.kv.keep_snapshot(block_hash, snap)
         return logits, sampling, forward_s
+
+    def _graph_step(self, plan: StepPlan, sampled: int) -> bool:
+        """Whether the decode graphs run this step: one token per sequence, each sampled."""
+        n = len(plan.requests)
+        return (
+            self.graphs is not None
+            and self.graphs.covers(n)
+            and sampled == n
+            and all(k == 1 for k in plan.num_new_tokens)
+        )
+
+    def _forward_graph(self, plan: StepPlan, input_ids: list[int]) -> tuple[torch.Tensor, float]:
+        """``_forward`` for a step the decode graphs run: (logits, seconds in the model)."""
+        assert self.graphs is not None
+        t0 = time.perf_counter()
+        positions = [r.num_computed_tokens for r in plan.requests]
+        logits, routed = self.graphs.run(input_ids, positions, [r.block_ids for r in plan.requests])
+        forward_s = time.perf_counter() - t0
+        for moe_layer, ids in enumerate(routed):
+            self.expert_load.add(moe_layer, ids)
+        for req in plan.requests:
+            req.num_computed_tokens += 1
+            self.kv.commit(req)
+        return logits, forward_s
 
     def _take_snapshots(self, plan: StepPlan) -> list[list[tuple[int, int]]]:
         """For a model with state: restore the state of this step's prefix hits, then choose

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -71,11 +72,15 @@ class EngineWorker(Service):
         if self.dep_group:
             eplb_pb2_grpc.add_ExpertPlacementServicer_to_server(PlacementServicer(self), server)
 
-    @staticmethod
-    def _engine(config: WorkerConfig) -> Engine:
-        """The engine; on a DEP rank, after joining the group (blocks until every rank is up)."""
+    @classmethod
+    def _engine(cls, config: WorkerConfig) -> Engine:
+        """The engine; on a DEP rank, after joining the group (blocks until every rank is up).
+        A prefill worker computes prompts and first tokens only: it compiles no decode graphs."""
         if config.dep_size == 1:
-            return Engine(config.engine)
+            engine_config = config.engine
+            if cls.role == "prefill":
+                engine_config = dataclasses.replace(engine_config, enforce_eager=True)
+            return Engine(engine_config, log=lambda msg: log.info("warming_up", step=msg))
         group = EPGroup.init(
             config.dep_size, config.dep_rank, config.dep_master, config.dep_timeout_s
         )

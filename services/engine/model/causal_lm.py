@@ -58,6 +58,23 @@ class MoECausalLM(nn.Module):
         a block's bytes in each layer one run (a one-group cache is that tensor itself)."""
         return kv_cache
 
+    # whether ``decode_graph`` exists: a decode step a graph can capture (decode_graphs.py)
+    has_decode_graph = False
+
+    def decode_graph(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        kv_rows: torch.Tensor,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per sequence with static structure (DeepseekV3ForCausalLM's says how):
+        (float32 logits [B, vocab], MoE choices [num_moe_layers, B, top_k])."""
+        raise NotImplementedError
+
     def moe_layers(self) -> list[MoE]:
         mlps = (getattr(layer, "mlp", None) for layer in self.decoder_layers())
         return [mlp for mlp in mlps if isinstance(mlp, MoE)]

@@ -11,7 +11,7 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
 from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.model.forward_batch import ForwardBatch
+from ferry.services.engine.model.forward_batch import DecodeQueries, ForwardBatch
 from ferry.services.engine.model.layers import MLP, MLAAttention, MoE, RMSNorm
 from ferry.services.engine.model.rope import RotaryEmbedding
 
@@ -46,6 +46,31 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
+    def decode_in_graph(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+        rows: torch.Tensor,
+        dec: DecodeQueries,
+        kv_rows: torch.Tensor,
+        blocks: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``forward`` for one query per sequence in a captured graph (see
+        ``MLAAttention.decode_in_graph``); also returns the MoE's logical choices, which the
+        caller counts outside the graph."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn.decode_in_graph(h, cos_sin, rope, rows, dec, kv_rows, blocks)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        if not isinstance(self.mlp, MoE):
+            return self.mlp(h), residual, None
+        weights, ids = self.mlp.route(h, None)
+        return self.mlp.apply_experts(h, weights, ids), residual, ids
+
 
 class DeepseekV3Model(nn.Module):
     def __init__(self, config: ModelConfig, placement: ExpertPlacement) -> None:
@@ -62,6 +87,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     into ``kv_cache``; ``compute_logits`` turns chosen rows of those into float32 logits."""
 
     config: ModelConfig
+    has_decode_graph = True
 
     def __init__(self, config: ModelConfig, placement: ExpertPlacement | None = None) -> None:
         super().__init__(config, placement)
@@ -99,3 +125,47 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         assert residual is not None
         x, _ = self.model.norm.add_forward(x, residual)
         return x
+
+    def decode_graph(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        kv_rows: torch.Tensor,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per sequence, as a graph can capture it: no host sync, no Python that
+        depends on the data, shapes from the inputs alone. input_ids, positions, slot_mapping,
+        seq_lens: [B]; block_tables: [B, W] (padded with any valid block; W * block_size may pass
+        the longest context); kv_rows: ``allocate_kv_cache``'s tensor as [tokens, dim] rows (the
+        graph writes into its input itself: through a view, it would copy the whole cache).
+        Returns float32 logits [B, vocab] and each MoE layer's logical choices
+        [num_moe_layers, B, top_k] (the engine counts them; V3 has no hash-routed layers)."""
+        dim = kv_rows.shape[-1]
+        num_blocks = kv_rows.shape[0] // (self.config.num_hidden_layers * block_size)
+        blocks = kv_rows.view(-1, block_size, dim)
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
+        routed = []
+        layer: DecoderLayer
+        for layer_id, layer in enumerate(self.model.layers):  # type: ignore[assignment]
+            first = layer_id * num_blocks
+            dec = DecodeQueries(torch.empty(0), block_tables + first, seq_lens)
+            x, residual, ids = layer.decode_in_graph(
+                x,
+                residual,
+                cos_sin,
+                self.rope,
+                slot_mapping + first * block_size,
+                dec,
+                kv_rows,
+                blocks,
+            )
+            if ids is not None:
+                routed.append(ids)
+        assert residual is not None
+        x, _ = self.model.norm.add_forward(x, residual)
+        return self.compute_logits(x), torch.stack(routed)

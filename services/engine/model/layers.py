@@ -95,14 +95,7 @@ class MLAAttention(nn.Module):
         """x: [num_tokens, hidden]; kv_cache: [num_blocks, block_size, kv_cache_dim] of this layer,
         written at ``batch.slot_mapping`` before it is read."""
         num_tokens = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        cos, sin = cos_sin
-        q_rope = rope.apply(q_rope, cos, sin)
-        k_rope = rope.apply(k_rope[:, None, :], cos, sin)[:, 0]
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)  # [T, kv_cache_dim]
+        q_nope, q_rope, latent = self.project(x, cos_sin, rope)
         kv_cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.dtype)
 
         out = x.new_empty(num_tokens, self.num_heads, self.v_dim)
@@ -113,6 +106,39 @@ class MLAAttention(nn.Module):
             idx = batch.decode.token_index
             out[idx] = self._absorbed(q_nope[idx], q_rope[idx], kv_cache, batch.decode)
         return self.o_proj(out.view(num_tokens, -1))
+
+    def project(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rope: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_nope [T, heads, nope], q_rope [T, heads, rope] rotated, the latent to cache
+        [T, kv_cache_dim])."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        cos, sin = cos_sin
+        q_rope = rope.apply(q_rope, cos, sin)
+        k_rope = rope.apply(k_rope[:, None, :], cos, sin)[:, 0]
+        return q_nope, q_rope, torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)
+
+    def decode_in_graph(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryEmbedding,
+        rows: torch.Tensor,
+        dec: DecodeQueries,
+        kv_rows: torch.Tensor,
+        blocks: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query per sequence (``forward``'s absorbed path) in a captured graph: ``kv_rows``
+        is every layer's cache as [tokens, dim] rows, ``rows`` this step's latents' rows in it,
+        ``blocks`` the same memory as [layers * num_blocks, block_size, dim], and
+        ``dec.block_tables`` already offset to this layer's blocks."""
+        q_nope, q_rope, latent = self.project(x, cos_sin, rope)
+        kv_rows[rows] = latent.to(kv_rows.dtype)
+        out = self._absorbed(q_nope, q_rope, blocks, dec)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
     def _expanded(
         self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
@@ -222,6 +248,12 @@ class MoE(nn.Module):
         weights, ids = self.route(x, input_ids)
         if self.expert_load is not None:
             self.expert_load.add(self.moe_layer, ids)
+        return self.apply_experts(x, weights, ids)
+
+    def apply_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts ``route`` chose (logical ``ids``), plus the shared ones."""
         slots = self.placement.select_slots(self.moe_layer, ids)
         limit = self.swiglu_limit
         if self.ep_group is None:
