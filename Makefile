@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode bench-peer clean redis
 
 setup: $(STAMP) redis
 
@@ -118,6 +118,12 @@ bench-services: setup
 # One user's decode step, in-process: forward vs the rest, and the operators it launches
 profile-decode: setup
 	$(PY) loadtest/profile_decode.py $(BENCH_ARGS)
+
+# Ferry against llama.cpp's llama-server on the same weights (tiny → GGUF): logits, one user
+# in-process, then served at 1/8/32 sessions. Builds llama-server from the llama-cpp-python sdist
+# into build/peer once (~10 min on 2 cores); ~10 min more -> loadtest/results/peer-llamacpp.*
+bench-peer: setup
+	$(PY) loadtest/bench_peer.py $(BENCH_ARGS)
 
 # MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
 bench-wide-ep: setup

@@ -7,6 +7,9 @@
   (``POST /v1/chat/completions``, ``stream``, ``ignore_eos``, ``stream_options.include_usage``).
 - ``AgentGrpcUser``: the same requests through the Python SDK (``FerryClient``, the gateway's
   public gRPC API), the chat template rendered here and sent as the prompt text.
+- ``AgentCompletionsUser``: the same prompt text as streaming completions over the OpenAI REST
+  API (``POST /v1/completions``), which any OpenAI-compatible server takes the same way
+  (``bench_peer.py`` runs it against llama.cpp's ``llama-server`` and Ferry alike).
 
 A Locust user is one agent: it plays one session's requests in order, waits each request's think
 time before sending it, and starts the next session when one ends. ``-u`` is therefore the number
@@ -311,6 +314,54 @@ class AgentChatUser(_Agent):
         except requests.RequestException as e:
             m.error = f"{type(e).__name__}: {e}"
         return m
+
+
+class AgentCompletionsUser(AgentChatUser):
+    """Sessions as streaming text completions: the chat template rendered here, as for gRPC."""
+
+    api = "completions"
+
+    def send(self, request: Request, messages: list[Message]) -> Measured:
+        body = {
+            "model": _run().model,
+            "prompt": render_prompt(messages),
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        m = Measured()
+        try:
+            with self.http.post(
+                f"{self.host}/v1/completions",
+                json=body,
+                stream=True,
+                timeout=(10, REQUEST_TIMEOUT_S),
+            ) as resp:
+                if resp.status_code != 200:
+                    m.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                    return m
+                for event in _sse_events(resp):
+                    _on_completion_event(m, event)
+        except requests.RequestException as e:
+            m.error = f"{type(e).__name__}: {e}"
+        return m
+
+
+def _on_completion_event(m: Measured, event: dict[str, Any]) -> None:
+    if "error" in event:
+        m.error = str(event["error"].get("message", event["error"]))
+        return
+    if usage := event.get("usage"):
+        m.prompt_tokens = usage["prompt_tokens"]
+        m.completion_tokens = usage["completion_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        m.cached_tokens = details.get("cached_tokens", 0)
+    for choice in event.get("choices", []):
+        if choice.get("text") or choice.get("finish_reason") is None:
+            m.arrived()  # a token (llama-server also sends the finish reason on its own)
+        m.finish_reason = choice.get("finish_reason") or m.finish_reason
 
 
 def _sse_events(resp: requests.Response) -> Any:

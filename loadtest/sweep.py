@@ -327,7 +327,11 @@ def run_locust(
     return [json.loads(line) for line in Path(f"{prefix}.jsonl").read_text().splitlines()]
 
 
-USER_CLASSES = {"chat": "AgentChatUser", "grpc": "AgentGrpcUser"}
+USER_CLASSES = {
+    "chat": "AgentChatUser",
+    "grpc": "AgentGrpcUser",
+    "completions": "AgentCompletionsUser",
+}
 
 
 def measure_level(

@@ -1,0 +1,291 @@
+"""Ferry against llama.cpp's ``llama-server`` on the same weights, side by side (issue 31).
+
+    make bench-peer                         # → loadtest/results/peer-llamacpp.json, peer-llamacpp.png
+    python loadtest/bench_peer.py --duration 20 --concurrency 1,8
+
+1. llama-server built from source and the ``tiny`` preset converted to an f32 GGUF
+   (``llamacpp.py``; both kept under build/peer).
+2. The logits match: greedy tokens and top-5 logprobs of 32 tokens after a 40-token prompt, from
+   llama-server (flash attention off) and from Ferry's engine (compiled decode, the default),
+   position by position.
+3. One user in-process: a 600-token prompt then 128 greedy tokens, ms per token. Ferry: its
+   engine's decode steps (2 torch threads). llama.cpp: ``timings.predicted_per_token_ms`` of
+   llama-server's ``/completion`` (``-t 2``), the time of its own decode loop. Three rounds each,
+   taking turns.
+4. Served: the project's AgentX-like workload (``agentx.py``, as ``bench-serve`` plays it) as
+   streaming ``/v1/completions`` (the same prompt text to both) at each concurrency, against
+   ``ferry up`` with its defaults (1 prefill + 1 decode worker) and against
+   ``llama-server -np 32 -t 2``. One server at a time on this machine.
+
+EOS: llama.cpp's ``ignore_eos`` bans EOS; Ferry's lets it be sampled and goes on. Every request
+asks for exactly its output length either way, so both produce the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+from agentx import WorkloadConfig, generate_sessions, summary, write_trace
+from llamacpp import build_server, convert, llama_server, say
+from sweep import (
+    CONFIGS,
+    ClusterConfig,
+    level_stats,
+    machine_info,
+    plan_levels,
+    run_locust,
+    warm_up,
+)
+from sweep import (
+    ferry_up as start_ferry,
+)
+
+from ferry.services.engine import Engine, EngineConfig, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+PEER = ClusterConfig("llamacpp", "llama-server -np 32 -t 2 -fa off", ())
+
+
+@dataclass
+class Peer:
+    """What ``sweep.run_locust`` needs of a server."""
+
+    config: ClusterConfig
+    http: str
+    grpc: str = ""
+
+
+def check_logits(url: str, engine: Engine, tokens: int = 32) -> dict[str, Any]:
+    """Greedy tokens and top-5 logprobs from both on the same ids (BOS first). llama-server
+    merges the probabilities of tokens that end inside a UTF-8 character into the next one's
+    entry, so it is asked for one token at a time along Ferry's greedy path; where that token
+    is such a byte it says nothing, and the position is skipped."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = [256, *torch.randint(32, 127, (40,), generator=gen).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
+    ours = engine.generate([prompt], params)[0]
+    diffs, same, positions = [], 0, 0
+    for i, mine in enumerate(ours.logprobs or []):
+        body = {"prompt": prompt + ours.token_ids[:i], "n_predict": 1, "temperature": 0}
+        body |= {"n_probs": 5, "ignore_eos": True, "cache_prompt": False}
+        reply = requests.post(f"{url}/completion", json=body, timeout=60).json()
+        if not reply.get("completion_probabilities"):
+            continue
+        step = reply["completion_probabilities"][0]
+        positions += 1
+        same += step["id"] == ours.token_ids[i]
+        diffs += [
+            abs(mine[c["id"]] - c["logprob"]) for c in step["top_logprobs"] if c["id"] in mine
+        ]
+    return {
+        "positions": tokens,
+        "positions_compared": positions,
+        "same_greedy_token": same,
+        "logprobs_compared": len(diffs),
+        "max_abs_logprob_diff": max(diffs, default=float("nan")),
+    }
+
+
+def ferry_ms_per_token(engine: Engine, prompt: list[int], tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(f"p{time.monotonic_ns()}", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        started = time.perf_counter()
+        engine.step()
+        stats = engine.last_step
+        if stats is not None and stats.num_tokens == 1:
+            steps.append(time.perf_counter() - started)
+    return statistics.median(steps) * 1e3
+
+
+def llama_ms_per_token(url: str, prompt: list[int], tokens: int) -> float:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+    body |= {"cache_prompt": False}
+    reply = requests.post(f"{url}/completion", json=body, timeout=300).json()
+    return float(reply["timings"]["predicted_per_token_ms"])
+
+
+def single_user(url: str, engine: Engine, rounds: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(1, 250, (600,), generator=gen).tolist()
+    ferry, llama = [], []
+    ferry_ms_per_token(engine, base, 16)  # warm-up
+    llama_ms_per_token(url, base, 16)
+    for r in range(rounds):
+        prompt = [256] + [(t + r) % 249 + 1 for t in base[1:]]
+        ferry.append(ferry_ms_per_token(engine, prompt, 128))
+        llama.append(llama_ms_per_token(url, prompt, 128))
+    return {
+        "prompt_tokens": 600,
+        "output_tokens": 128,
+        "ferry_ms_per_token": ferry,
+        "llamacpp_ms_per_token": llama,
+        "ferry_median": statistics.median(ferry),
+        "llamacpp_median": statistics.median(llama),
+        "ratio": statistics.median(ferry) / statistics.median(llama),
+    }
+
+
+def served(
+    server: Peer | Any, args: argparse.Namespace, trace: Path, work_dir: Path
+) -> list[dict[str, Any]]:
+    rows = []
+    for level in plan_levels(args.levels, args.duration):
+        log = run_locust(server, level, trace, args, work_dir)
+        reqs = [r for r in log if "summary" not in r]
+        row = {"concurrency": level.concurrency, **level_stats(reqs, 1, 2.0, 0.05)}
+        say(f"{server.config.name} c={level.concurrency}: {_brief(row)}")
+        rows.append(row)
+    return rows
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if "ttft_s" not in row:
+        return f"{row['requests']} requests, all failed"
+    return (
+        f"{row['requests']} requests ({row['failed']} failed), "
+        f"{row['output_tokens_per_s']:.0f} tok/s, TPOT p50 {row['tpot_s']['p50'] * 1e3:.1f} ms, "
+        f"TTFT p99 {row['ttft_s']['p99']:.2f} s"
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name, rows in result["served"].items():
+        ok = [r for r in rows if "ttft_s" in r]
+        c = [r["concurrency"] for r in ok]
+        axes[0].plot(c, [r["output_tokens_per_s"] for r in ok], "o-", label=name)
+        axes[1].plot(c, [r["tpot_s"]["p50"] * 1e3 for r in ok], "o-", label=name)
+        axes[2].plot(c, [r["ttft_s"]["p99"] for r in ok], "o-", label=name)
+    titles = ("output tokens/s", "TPOT p50 (ms)", "TTFT p99 (s)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sessions")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    single = result["single_user"]
+    fig.suptitle(
+        f"tiny preset, same weights, 2 CPUs: one user in-process "
+        f"{single['ferry_median']:.2f} ms/token (Ferry) vs {single['llamacpp_median']:.2f} "
+        "(llama.cpp)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(result: dict[str, Any]) -> str:
+    s = result["single_user"]
+    lines = [
+        "| | Ferry | llama.cpp `llama-server` |",
+        "|---|---|---|",
+        f"| in-process decode, one request (600-token prompt), ms per token "
+        f"| {s['ferry_median']:.2f} | {s['llamacpp_median']:.2f} |",
+    ]
+    ferry, llama = result["served"]["ferry"], result["served"]["llamacpp"]
+    for mine, theirs in zip(ferry, llama, strict=True):
+        if "ttft_s" not in mine or "ttft_s" not in theirs:
+            continue
+        c = mine["concurrency"]
+        lines.append(
+            f"| served, {c} concurrent sessions: output tok/s (TPOT p50, TTFT p99) "
+            f"| {mine['output_tokens_per_s']:.0f} ({mine['tpot_s']['p50'] * 1e3:.1f} ms, "
+            f"{mine['ttft_s']['p99']:.2f} s) "
+            f"| {theirs['output_tokens_per_s']:.0f} ({theirs['tpot_s']['p50'] * 1e3:.1f} ms, "
+            f"{theirs['ttft_s']['p99']:.2f} s) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", default="1,8,32", help="live sessions per level")
+    p.add_argument("--duration", type=int, default=30, help="seconds per level")
+    p.add_argument("--rounds", type=int, default=3, help="single-user rounds, taking turns")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp -t, Ferry's torch threads")
+    p.add_argument("--out", default=str(HERE / "results" / "peer-llamacpp.json"))
+    p.add_argument("--work-dir", default="", help="keep traces, Locust CSVs and logs here")
+    p.add_argument("--table", action="store_true", help="print --out's JSON as a markdown table")
+    args = p.parse_args()
+    out = Path(args.out)
+    if args.table:
+        print(table(json.loads(out.read_text())))
+        return
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.model, args.api = "tiny", "completions"
+    work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ferry-peer-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+
+    binary = build_server()
+    ckpt, gguf = convert("tiny")
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(""),
+        "llamacpp": {
+            "source": "llama-cpp-python 0.3.36 sdist (vendored llama.cpp)",
+            "commit": _commit(binary),
+            "server_flags": PEER.description,
+            "gguf": "f32, converted by convert_hf_to_gguf.py",
+        },
+        "ferry": {"served": "ferry up (defaults: 1 prefill + 1 decode worker)"},
+        "eos": "llama.cpp's ignore_eos bans EOS; Ferry's samples it and goes on (same lengths)",
+    }
+    engine = Engine(EngineConfig(model=str(ckpt)), log=say)
+    with llama_server(binary, gguf, args.threads, 1, 4096, work_dir / "llama-1.log") as url:
+        result["logits"] = check_logits(url, engine)
+        say(f"logits: {result['logits']}")
+        result["single_user"] = single_user(url, engine, args.rounds)
+        say(f"single user: {result['single_user']}")
+    del engine
+
+    levels = plan_levels(args.levels, args.duration)
+    workload = WorkloadConfig(seed=0, max_context_tokens=4096)
+    sessions = generate_sessions(workload, 0, levels[-1].sessions[1])
+    trace = work_dir / "agentx-trace.jsonl"
+    write_trace(trace, workload, sessions)
+    result["workload"] = {"generator": "loadtest/agentx.py", "shape": summary(sessions)}
+    result["duration_s"] = args.duration
+    result["served"] = {}
+    slots = max(args.levels)
+    with llama_server(binary, gguf, args.threads, slots, 4096, work_dir / "llama.log") as url:
+        result["served"]["llamacpp"] = served(Peer(PEER, url), args, trace, work_dir)
+    started = time.monotonic()
+    with start_ferry(CONFIGS["1p1d"], "tiny", work_dir) as cluster:
+        result["ferry"]["ready_s"] = time.monotonic() - started
+        warm_up(cluster, "tiny", 2)
+        result["served"]["ferry"] = served(cluster, args, trace, work_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(table(result))
+    print(f"wrote {out} and {out.with_suffix('.png')} (logs: {work_dir})")
+
+
+def _commit(binary: Path) -> str:
+    run = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
+    return (run.stdout + run.stderr).strip().splitlines()[0] if run.returncode == 0 else ""
+
+
+if __name__ == "__main__":
+    main()
