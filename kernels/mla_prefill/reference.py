@@ -18,8 +18,12 @@ def prefill_attention_torch(
     q_len <= ctx_len. Query i sits at position ctx_len - q_len + i. Returns [q_len, heads, v_dim].
     """
     q_len, ctx_len = q.shape[1], k.shape[1]
-    # NOTE: 4-D inputs reach torch's fused (flash) CPU kernel; 3-D ones fall back to the
-    # unfused math path, about 6x slower here.
+    v_dim = v.shape[-1]
+    # NOTE: only 4-D inputs whose values are as wide as their keys reach torch's fused (flash)
+    # CPU kernel; the rest fall back to the unfused math path, ~6x slower here (2,000 tokens,
+    # MLA's 48-wide keys and 32-wide values: 0.34 s a layer, 0.056 with the values padded).
+    if v_dim < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
     q4, k4, v4 = q[None], k[None], v[None]
     if q_len == ctx_len:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=softmax_scale)
@@ -27,4 +31,4 @@ def prefill_attention_torch(
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=softmax_scale)
-    return out[0].transpose(0, 1)
+    return out[0, ..., :v_dim].transpose(0, 1)
