@@ -10,7 +10,7 @@
    position by position.
 3. One user in-process: a 600-token prompt then 128 greedy tokens, ms per token. Ferry: its
    engine's decode steps (2 torch threads). llama.cpp: ``timings.predicted_per_token_ms`` of
-   llama-server's ``/completion`` (``-t 2``), the time of its own decode loop. Three rounds each,
+   llama-server's ``/completion`` (``-t 2``), the time of its own decode loop. Five rounds each,
    taking turns.
 4. Served: the project's AgentX-like workload (``agentx.py``, as ``bench-serve`` plays it) as
    streaming ``/v1/completions`` (the same prompt text to both) at each concurrency, against
@@ -55,6 +55,9 @@ from sweep import (
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
 HERE = Path(__file__).resolve().parent
+# ggml's threads spin for a while after each request (llama-server's --poll): each side starts
+# only once the other has been idle this long
+IDLE_S = 2.0
 PEER = ClusterConfig("llamacpp", "llama-server -np 32 -t 2 -fa off", ())
 
 
@@ -126,7 +129,9 @@ def single_user(url: str, engine: Engine, rounds: int) -> dict[str, Any]:
     llama_ms_per_token(url, base, 16)
     for r in range(rounds):
         prompt = [256] + [(t + r) % 249 + 1 for t in base[1:]]
+        time.sleep(IDLE_S)
         ferry.append(ferry_ms_per_token(engine, prompt, 128))
+        time.sleep(IDLE_S)
         llama.append(llama_ms_per_token(url, prompt, 128))
     return {
         "prompt_tokens": 600,
@@ -220,11 +225,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", default="1,8,32", help="live sessions per level")
     p.add_argument("--duration", type=int, default=30, help="seconds per level")
-    p.add_argument("--rounds", type=int, default=3, help="single-user rounds, taking turns")
+    p.add_argument("--rounds", type=int, default=5, help="single-user rounds, taking turns")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp -t, Ferry's torch threads")
     p.add_argument("--out", default=str(HERE / "results" / "peer-llamacpp.json"))
     p.add_argument("--work-dir", default="", help="keep traces, Locust CSVs and logs here")
     p.add_argument("--table", action="store_true", help="print --out's JSON as a markdown table")
+    p.add_argument(
+        "--single-user-only", action="store_true", help="the logits and one user; print, no file"
+    )
     args = p.parse_args()
     out = Path(args.out)
     if args.table:
@@ -258,6 +266,9 @@ def main() -> None:
         result["single_user"] = single_user(url, engine, args.rounds)
         say(f"single user: {result['single_user']}")
     del engine
+    if args.single_user_only:
+        print(json.dumps(result, indent=2))
+        return
 
     levels = plan_levels(args.levels, args.duration)
     workload = WorkloadConfig(seed=0, max_context_tokens=4096)

@@ -411,8 +411,7 @@ class Engine:
         positions = [r.num_computed_tokens for r in plan.requests]
         logits, routed = self.graphs.run(input_ids, positions, [r.block_ids for r in plan.requests])
         forward_s = time.perf_counter() - t0
-        for moe_layer, ids in enumerate(routed):
-            self.expert_load.add(moe_layer, ids)
+        self.expert_load.add_layers(routed)
         for req in plan.requests:
             req.num_computed_tokens += 1
             self.kv.commit(req)

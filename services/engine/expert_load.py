@@ -80,6 +80,21 @@ class ExpertLoad:
             self._current = torch.zeros(self.shape, dtype=torch.long, device=logical_ids.device)
         self._current[moe_layer] += torch.bincount(logical_ids.reshape(-1), minlength=self.shape[1])
 
+    def add_layers(self, logical_ids: torch.Tensor) -> None:
+        """Every MoE layer's routing this step at once: ``logical_ids`` [layers, tokens, top_k]
+        (one bincount where ``add`` takes one a layer; the compiled decode step's choices)."""
+        if not logical_ids.numel():
+            return
+        layers, experts = self.shape
+        if self._current is None:
+            self._current = torch.zeros(self.shape, dtype=torch.long, device=logical_ids.device)
+        offsets = torch.arange(0, layers * experts, experts, device=logical_ids.device)
+        flat = (logical_ids + offsets[:, None, None]).reshape(-1)
+        counts = torch.bincount(flat, minlength=layers * experts).view(layers, experts)
+        if self.hash_tables:  # counted from the tokens instead
+            counts[self.hash_layers] = 0
+        self._current += counts
+
     def add_rows(self, moe_layer: int, rows: int) -> None:
         self.rows_total[moe_layer] += rows
 

@@ -41,8 +41,11 @@ def test_compiled_decode_gives_the_eager_tokens_and_logprobs(compiled: Engine) -
     eager = Engine(EngineConfig(model="tiny", num_kv_blocks=80, enforce_eager=True))
     assert eager.graphs is None
     steps_before = compiled.graphs.steps if compiled.graphs else 0
+    load_before = compiled.expert_load.window()
     want, got = _run(eager), _run(compiled)
     assert compiled.graphs is not None and compiled.graphs.steps > steps_before
+    # the graph's MoE choices are counted as the eager forward counts them
+    assert torch.equal(compiled.expert_load.window() - load_before, eager.expert_load.window())
     for rid, (tokens, logprobs) in want.items():
         assert got[rid][0] == tokens, rid
         for mine, theirs in zip(got[rid][1], logprobs, strict=True):

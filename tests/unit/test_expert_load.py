@@ -25,6 +25,21 @@ def test_window_slides_over_the_last_buckets() -> None:
     assert load.window().tolist() == [[3, 1]]
 
 
+def test_all_layers_at_once_count_as_layer_by_layer() -> None:
+    ids = torch.randint(0, 6, (3, 5, 2), generator=torch.Generator().manual_seed(0))
+    one, each = ExpertLoad(3, 6), ExpertLoad(3, 6)
+    one.add_layers(ids)
+    for layer in range(3):
+        each.add(layer, ids[layer])
+    assert torch.equal(one.window(), each.window())
+    assert one.window().sum() == ids.numel()
+    hashed = ExpertLoad(3, 6)
+    hashed.count_by_token({1: torch.zeros(10, 2, dtype=torch.long)})
+    hashed.add_layers(ids)
+    assert hashed.window()[1].sum() == 0  # a hash layer counts from its tokens, not here
+    assert torch.equal(hashed.window()[0], one.window()[0])
+
+
 def test_engine_counts_every_routed_token() -> None:
     engine = Engine(
         EngineConfig(model="tiny", block_size=16, num_kv_blocks=64, enable_prefix_caching=False)
