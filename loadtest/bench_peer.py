@@ -39,6 +39,7 @@ import requests
 import torch
 from agentx import WorkloadConfig, generate_sessions, summary, write_trace
 from llamacpp import build_server, convert, llama_server, say
+from profile_decode import decode_steps
 from sweep import (
     CONFIGS,
     ClusterConfig,
@@ -102,16 +103,7 @@ def check_logits(url: str, engine: Engine, tokens: int = 32) -> dict[str, Any]:
 
 
 def ferry_ms_per_token(engine: Engine, prompt: list[int], tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request(f"p{time.monotonic_ns()}", prompt, params)
-    steps = []
-    while engine.has_unfinished_requests():
-        started = time.perf_counter()
-        engine.step()
-        stats = engine.last_step
-        if stats is not None and stats.num_tokens == 1:
-            steps.append(time.perf_counter() - started)
-    return statistics.median(steps) * 1e3
+    return statistics.median(total for total, _ in decode_steps(engine, prompt, tokens)) * 1e3
 
 
 def llama_ms_per_token(url: str, prompt: list[int], tokens: int) -> float:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -289,9 +290,19 @@ class AgentChatUser(_Agent):
         self.http.close()
 
     def send(self, request: Request, messages: list[Message]) -> Measured:
+        return self.stream("/v1/chat/completions", {"messages": messages}, request, _on_chat_event)
+
+    def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        request: Request,
+        on_event: Callable[[Measured, dict[str, Any]], None],
+    ) -> Measured:
+        """POST ``body`` (greedy, ``ignore_eos``, streamed with usage) and measure its stream."""
         body = {
             "model": _run().model,
-            "messages": messages,
+            **body,
             "max_tokens": request.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -301,16 +312,13 @@ class AgentChatUser(_Agent):
         m = Measured()
         try:
             with self.http.post(
-                f"{self.host}/v1/chat/completions",
-                json=body,
-                stream=True,
-                timeout=(10, REQUEST_TIMEOUT_S),
+                f"{self.host}{path}", json=body, stream=True, timeout=(10, REQUEST_TIMEOUT_S)
             ) as resp:
                 if resp.status_code != 200:
                     m.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                     return m
                 for event in _sse_events(resp):
-                    _on_chat_event(m, event)
+                    on_event(m, event)
         except requests.RequestException as e:
             m.error = f"{type(e).__name__}: {e}"
         return m
@@ -322,31 +330,8 @@ class AgentCompletionsUser(AgentChatUser):
     api = "completions"
 
     def send(self, request: Request, messages: list[Message]) -> Measured:
-        body = {
-            "model": _run().model,
-            "prompt": render_prompt(messages),
-            "max_tokens": request.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        m = Measured()
-        try:
-            with self.http.post(
-                f"{self.host}/v1/completions",
-                json=body,
-                stream=True,
-                timeout=(10, REQUEST_TIMEOUT_S),
-            ) as resp:
-                if resp.status_code != 200:
-                    m.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
-                    return m
-                for event in _sse_events(resp):
-                    _on_completion_event(m, event)
-        except requests.RequestException as e:
-            m.error = f"{type(e).__name__}: {e}"
-        return m
+        prompt = {"prompt": render_prompt(messages)}
+        return self.stream("/v1/completions", prompt, request, _on_completion_event)
 
 
 def _on_completion_event(m: Measured, event: dict[str, Any]) -> None:
