@@ -23,7 +23,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -33,6 +32,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import requests
+
+from ferry.infra.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "build" / "peer"
@@ -135,12 +136,6 @@ def convert(preset: str, cache: Path = CACHE) -> tuple[Path, Path]:
         stdout=subprocess.DEVNULL,
     )
     return ckpt, gguf
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

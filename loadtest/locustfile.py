@@ -335,14 +335,8 @@ class AgentCompletionsUser(AgentChatUser):
 
 
 def _on_completion_event(m: Measured, event: dict[str, Any]) -> None:
-    if "error" in event:
-        m.error = str(event["error"].get("message", event["error"]))
+    if not _error_or_usage(m, event):
         return
-    if usage := event.get("usage"):
-        m.prompt_tokens = usage["prompt_tokens"]
-        m.completion_tokens = usage["completion_tokens"]
-        details = usage.get("prompt_tokens_details") or {}
-        m.cached_tokens = details.get("cached_tokens", 0)
     for choice in event.get("choices", []):
         if choice.get("text") or choice.get("finish_reason") is None:
             m.arrived()  # a token (llama-server also sends the finish reason on its own)
@@ -360,14 +354,22 @@ def _sse_events(resp: requests.Response) -> Any:
         yield json.loads(data)
 
 
-def _on_chat_event(m: Measured, event: dict[str, Any]) -> None:
+def _error_or_usage(m: Measured, event: dict[str, Any]) -> bool:
+    """Take an event's error or usage into ``m``; False when it carries an error."""
     if "error" in event:
         m.error = str(event["error"].get("message", event["error"]))
-        return
+        return False
     if usage := event.get("usage"):
         m.prompt_tokens = usage["prompt_tokens"]
         m.completion_tokens = usage["completion_tokens"]
-        m.cached_tokens = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        m.cached_tokens = details.get("cached_tokens", 0)
+    return True
+
+
+def _on_chat_event(m: Measured, event: dict[str, Any]) -> None:
+    if not _error_or_usage(m, event):
+        return
     for choice in event.get("choices", []):
         if "role" in choice.get("delta", {}):
             continue  # the opening event: it comes before any token

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,14 +53,10 @@ class _DecodeModule(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         kv_rows: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.decode_graph(
-            input_ids, positions, slot_mapping, block_tables, seq_lens, kv_rows, self.block_size
-        )
+        return self.model.decode_graph(input_ids, positions, block_tables, kv_rows, self.block_size)
 
 
 class DecodeGraphs:
@@ -82,29 +77,24 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.max_width = max(2, -(-max_model_len // block_size))
         self._graphs: dict[bool, Any] = {}  # batched (B >= 2) or not -> compiled step
-        self.steps = 0  # steps run, for tests and metrics
-        self.compile_s = 0.0
-        started = time.perf_counter()
+        self.steps = 0  # steps run, for tests and benchmarks
         shapes = [False, True] if max_batch >= 2 else [False]
         for n, batched in enumerate(shapes, 1):
             if log:
                 what = f"2..{max_batch}" if batched else "1"
                 log(f"compiling the decode step for batch {what} ({n}/{len(shapes)})")
             self._graphs[batched] = self._compile(batched)
-        self.compile_s = time.perf_counter() - started
 
     def covers(self, batch: int) -> bool:
         return 1 <= batch <= self.max_batch
 
     def _example(self, batch: int, width: int) -> tuple[torch.Tensor, ...]:
-        """Inputs of a step of ``batch`` sequences, each one token into a 2-block context."""
+        """Inputs of a step of ``batch`` sequences, each its second token, ``width`` blocks."""
         dev = self.model.device
         tables = torch.zeros(batch, width, dtype=torch.long, device=dev)
-
-        def ones() -> torch.Tensor:  # distinct tensors: compile would merge aliased inputs
-            return torch.ones(batch, dtype=torch.long, device=dev)
-
-        return (ones(), ones(), ones(), tables, ones() + 1, self.kv_rows)
+        # distinct tensors: compile would merge aliased inputs
+        ids, positions = (torch.ones(batch, dtype=torch.long, device=dev) for _ in range(2))
+        return (ids, positions, tables, self.kv_rows)
 
     def _compile(self, batched: bool) -> Any:
         # inductor gives equal sizes one symbol: example sizes that equal a dimension of the
@@ -116,11 +106,11 @@ class DecodeGraphs:
         dims: tuple[dict[int, Any] | None, ...]
         if not batched:
             w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = (None, None, None, {1: w}, None, None)
+            dims = (None, None, {1: w}, None)
         else:
             b = torch.export.Dim("batch", min=2, max=max(batch, self.max_batch))
             w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = ({0: b}, {0: b}, {0: b}, {0: b, 1: w}, {0: b}, None)
+            dims = ({0: b}, {0: b}, {0: b, 1: w}, None)
         # export traces with autograd off but outside inference mode: a graph captured under
         # inference_mode cannot be called outside it (tests and the engine run both)
         with torch.no_grad(), warnings.catch_warnings():
@@ -155,14 +145,11 @@ class DecodeGraphs:
         bs = self.block_size
         width = max(2, max(p // bs + 1 for p in positions))
         tables = [list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
         dev = self.model.device
         args = (
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
-            torch.tensor(slots, device=dev),
             torch.tensor(tables, device=dev),
-            torch.tensor([p + 1 for p in positions], device=dev),
             self.kv_rows,
         )
         self.steps += 1

@@ -65,9 +65,7 @@ class MoECausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         kv_rows: torch.Tensor,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,22 +130,23 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         kv_rows: torch.Tensor,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token per sequence, as a graph can capture it: no host sync, no Python that
-        depends on the data, shapes from the inputs alone. input_ids, positions, slot_mapping,
-        seq_lens: [B]; block_tables: [B, W] (padded with any valid block; W * block_size may pass
-        the longest context); kv_rows: ``allocate_kv_cache``'s tensor as [tokens, dim] rows (the
+        depends on the data, shapes from the inputs alone. input_ids, positions: [B];
+        block_tables: [B, W] (padded with any valid block; W * block_size may pass the longest
+        context; the token's slot and the context length follow from them); kv_rows: ``allocate_kv_cache``'s tensor as [tokens, dim] rows (the
         graph writes into its input itself: through a view, it would copy the whole cache).
         Returns float32 logits [B, vocab] and each MoE layer's logical choices
         [num_moe_layers, B, top_k] (the engine counts them; V3 has no hash-routed layers)."""
         dim = kv_rows.shape[-1]
         num_blocks = kv_rows.shape[0] // (self.config.num_hidden_layers * block_size)
         blocks = kv_rows.view(-1, block_size, dim)
+        seq_lens = positions + 1
+        own_block = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+        slot_mapping = own_block * block_size + positions % block_size
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
