@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode bench-peer clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer clean redis
 
 setup: $(STAMP) redis
 
@@ -118,6 +118,11 @@ bench-services: setup
 # One user's decode step, in-process: forward vs the rest, and the operators it launches
 profile-decode: setup
 	$(PY) loadtest/profile_decode.py $(BENCH_ARGS)
+
+# One user's served token, hop by hop (engine, asyncio, decode worker, scheduler, gateway gRPC,
+# SSE): TPOT at each and each process's CPU per token (~3 min here)
+profile-served: setup
+	$(PY) loadtest/profile_served.py $(BENCH_ARGS)
 
 # Ferry against llama.cpp's llama-server on the same weights (tiny → GGUF): logits, one user
 # in-process, then served at 1/8/32 sessions. Builds llama-server from the llama-cpp-python sdist

@@ -55,6 +55,7 @@ from locust import User, events, task  # noqa: E402
 from locust.env import Environment  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
 from locust.runners import STATE_CLEANUP, STATE_STOPPED, STATE_STOPPING  # noqa: E402
+from sse import sse_events  # noqa: E402
 
 from ferry.gateway.sdk import FerryClient, FerryError  # noqa: E402
 
@@ -317,7 +318,7 @@ class AgentChatUser(_Agent):
                 if resp.status_code != 200:
                     m.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
                     return m
-                for event in _sse_events(resp):
+                for event in sse_events(resp):
                     on_event(m, event)
         except requests.RequestException as e:
             m.error = f"{type(e).__name__}: {e}"
@@ -341,17 +342,6 @@ def _on_completion_event(m: Measured, event: dict[str, Any]) -> None:
         if choice.get("text") or choice.get("finish_reason") is None:
             m.arrived()  # a token (llama-server also sends the finish reason on its own)
         m.finish_reason = choice.get("finish_reason") or m.finish_reason
-
-
-def _sse_events(resp: requests.Response) -> Any:
-    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
-    for line in resp.iter_lines(chunk_size=None):
-        if not line.startswith(b"data: "):
-            continue
-        data = line[len(b"data: ") :]
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
 
 
 def _error_or_usage(m: Measured, event: dict[str, Any]) -> bool:

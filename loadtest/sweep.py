@@ -108,6 +108,7 @@ class RunningCluster:
     redis_url: str
     cluster: str
     log: Path
+    scheduler: str = ""  # host:port of the first scheduler's gRPC API
 
     def read(self, query: Any) -> Any:
         async def run() -> Any:
@@ -182,6 +183,7 @@ def ferry_up(config: ClusterConfig, model: str, work_dir: Path) -> Iterator[Runn
             redis_url,
             cluster,
             log,
+            f"127.0.0.1:{sched}",
         )
     finally:
         if proc.poll() is None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ferry.services.common.os_thread import name_this_thread
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.common.tokenizer import Tokenizer
 from ferry.services.engine.config import EngineConfig
@@ -271,6 +272,7 @@ class AsyncEngine:
 
     # ---- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
+        name_this_thread(self._thread.name)
         try:
             while True:
                 with self._cv:

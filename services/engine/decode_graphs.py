@@ -55,8 +55,11 @@ class _DecodeModule(nn.Module):
         positions: torch.Tensor,
         block_tables: torch.Tensor,
         kv_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.decode_graph(input_ids, positions, block_tables, kv_rows, self.block_size)
+        expert_counts: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.model.decode_graph(
+            input_ids, positions, block_tables, kv_rows, expert_counts, self.block_size
+        )
 
 
 class DecodeGraphs:
@@ -94,23 +97,28 @@ class DecodeGraphs:
         tables = torch.zeros(batch, width, dtype=torch.long, device=dev)
         # distinct tensors: compile would merge aliased inputs
         ids, positions = (torch.ones(batch, dtype=torch.long, device=dev) for _ in range(2))
-        return (ids, positions, tables, self.kv_rows)
+        return (ids, positions, tables, self.kv_rows, self._counts_example())
+
+    def _counts_example(self) -> torch.Tensor:
+        c = self.model.config
+        n = c.num_moe_layers * c.n_routed_experts
+        return torch.zeros(n, dtype=torch.long, device=self.model.device)
 
     def _compile(self, batched: bool) -> Any:
         # inductor gives equal sizes one symbol: example sizes that equal a dimension of the
         # cache (or each other) would be specialised to it
-        taken = set(self.kv_rows.shape)
+        taken = {*self.kv_rows.shape, self._counts_example().numel()}
         width = _unlike(taken, 2, self.max_width)
         batch = _unlike(taken | {width}, 2, self.max_batch) if batched else 1
         example = self._example(batch, width)
         dims: tuple[dict[int, Any] | None, ...]
         if not batched:
             w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = (None, None, {1: w}, None)
+            dims = (None, None, {1: w}, None, None)
         else:
             b = torch.export.Dim("batch", min=2, max=max(batch, self.max_batch))
             w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = ({0: b}, {0: b}, {0: b, 1: w}, None)
+            dims = ({0: b}, {0: b}, {0: b, 1: w}, None, None)
         # export traces with autograd off but outside inference mode: a graph captured under
         # inference_mode cannot be called outside it (tests and the engine run both)
         with torch.no_grad(), warnings.catch_warnings():
@@ -139,9 +147,11 @@ class DecodeGraphs:
         input_ids: Sequence[int],
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        expert_counts: torch.Tensor,
+    ) -> torch.Tensor:
         """One decode step: sequence i adds ``input_ids[i]`` at ``positions[i]`` with blocks
-        ``block_tables[i]``. Returns (float32 logits [B, vocab], MoE choices [moe_layers, B, k])."""
+        ``block_tables[i]``. Returns float32 logits [B, vocab]; adds the step's MoE choices into
+        ``expert_counts`` ([moe_layers * experts] int64, see ``ExpertLoad.counts_buffer``)."""
         bs = self.block_size
         width = max(2, max(p // bs + 1 for p in positions))
         tables = [list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables]
@@ -151,9 +161,11 @@ class DecodeGraphs:
             torch.tensor(positions, device=dev),
             torch.tensor(tables, device=dev),
             self.kv_rows,
+            expert_counts,
         )
         self.steps += 1
-        return self._graphs[len(input_ids) > 1](*args)
+        logits: torch.Tensor = self._graphs[len(input_ids) > 1](*args)
+        return logits
 
 
 def _unlike(taken: set[int], low: int, high: int) -> int:

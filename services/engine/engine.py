@@ -409,9 +409,10 @@ class Engine:
         assert self.graphs is not None
         t0 = time.perf_counter()
         positions = [r.num_computed_tokens for r in plan.requests]
-        logits, routed = self.graphs.run(input_ids, positions, [r.block_ids for r in plan.requests])
+        tables = [r.block_ids for r in plan.requests]
+        counts = self.expert_load.counts_buffer(self.model.device)
+        logits = self.graphs.run(input_ids, positions, tables, counts)
         forward_s = time.perf_counter() - t0
-        self.expert_load.add_layers(routed)
         for req in plan.requests:
             req.num_computed_tokens += 1
             self.kv.commit(req)

@@ -39,6 +39,9 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         # Unreferenced blocks, least recently freed first; never-used blocks come first.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # of those, the ones that still hold a hash: kept as blocks move, because counting them
+        # every step took ~0.3 ms of a ~1 ms decode step (6,500 blocks)
+        self.num_cached_free = 0
         # (True: stored, False: removed; hash) in order, while a worker follows them
         self.events: deque[tuple[bool, int]] | None = None
 
@@ -52,6 +55,7 @@ class BlockPool:
         block, _ = self.free.popitem(last=False)
         old = self.block_hash[block]
         if old is not None:
+            self.num_cached_free -= 1
             del self.hash_to_block[old]
             self.block_hash[block] = None
             if self.events is not None:
@@ -60,9 +64,11 @@ class BlockPool:
         return block
 
     def take_cached(self, block: int) -> None:
-        """Reference a cached block found by hash (it may be unreferenced or shared)."""
+        """Reference a cached block found by hash (it may be unreferenced or shared), or any
+        block a hold pins."""
         if self.ref_count[block] == 0:
             del self.free[block]
+            self.num_cached_free -= self.block_hash[block] is not None  # a hold may pin any
         self.ref_count[block] += 1
 
     def release(self, blocks: Iterable[int]) -> None:
@@ -70,12 +76,14 @@ class BlockPool:
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
                 self.free[block] = None
+                self.num_cached_free += self.block_hash[block] is not None
 
     def register(self, block: int, block_hash: int) -> None:
         """Make a just-filled block findable by hash, unless another block already holds it."""
         if block_hash not in self.hash_to_block and self.block_hash[block] is None:
             self.hash_to_block[block_hash] = block
             self.block_hash[block] = block_hash
+            self.num_cached_free += self.ref_count[block] == 0
             if self.events is not None:
                 self.events.append((True, block_hash))
 
@@ -381,6 +389,8 @@ class KVCacheManager:
         if unreferenced != set(pool.free):
             raise AssertionError("free queue differs from the unreferenced blocks")
         cached = sum(1 for b in unreferenced if pool.block_hash[b] is not None)
+        if cached != pool.num_cached_free:
+            raise AssertionError(f"{cached} cached free blocks, counted {pool.num_cached_free}")
         plain_free = len(unreferenced) - cached
         if plain_free + cached + in_use != pool.num_blocks:
             raise AssertionError("free + cached + in use != total")
@@ -403,7 +413,7 @@ class KVCacheManager:
     def usage(self) -> dict[str, int]:
         pool = self.pool
         with self.lock:
-            cached = sum(1 for b in pool.free if pool.block_hash[b] is not None)
+            cached = pool.num_cached_free
             num_free = pool.num_free
         return {
             "total": pool.num_blocks,

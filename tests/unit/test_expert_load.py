@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
@@ -25,19 +26,23 @@ def test_window_slides_over_the_last_buckets() -> None:
     assert load.window().tolist() == [[3, 1]]
 
 
-def test_all_layers_at_once_count_as_layer_by_layer() -> None:
+def test_a_compiled_step_counts_into_the_bucket_being_filled() -> None:
+    """What decode_graph adds into counts_buffer() is what add() would have counted."""
     ids = torch.randint(0, 6, (3, 5, 2), generator=torch.Generator().manual_seed(0))
-    one, each = ExpertLoad(3, 6), ExpertLoad(3, 6)
-    one.add_layers(ids)
-    for layer in range(3):
-        each.add(layer, ids[layer])
-    assert torch.equal(one.window(), each.window())
-    assert one.window().sum() == ids.numel()
+    graph, each = ExpertLoad(3, 6, bucket_steps=2), ExpertLoad(3, 6, bucket_steps=2)
+    for _ in range(3):  # across a bucket's end: the next step gets a fresh buffer
+        flat = (ids + (torch.arange(3) * 6)[:, None, None]).reshape(-1)
+        graph.counts_buffer(torch.device("cpu")).index_add_(0, flat, torch.ones_like(flat))
+        graph.end_step()
+        for layer in range(3):
+            each.add(layer, ids[layer])
+        each.end_step()
+    assert torch.equal(graph.window(), each.window())
+    assert graph.window().sum() == 3 * ids.numel()
     hashed = ExpertLoad(3, 6)
     hashed.count_by_token({1: torch.zeros(10, 2, dtype=torch.long)})
-    hashed.add_layers(ids)
-    assert hashed.window()[1].sum() == 0  # a hash layer counts from its tokens, not here
-    assert torch.equal(hashed.window()[0], one.window()[0])
+    with pytest.raises(ValueError, match="count from tokens"):
+        hashed.counts_buffer(torch.device("cpu"))
 
 
 def test_engine_counts_every_routed_token() -> None:

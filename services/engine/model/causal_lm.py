@@ -67,10 +67,11 @@ class MoECausalLM(nn.Module):
         positions: torch.Tensor,
         block_tables: torch.Tensor,
         kv_rows: torch.Tensor,
+        expert_counts: torch.Tensor,
         block_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One new token per sequence with static structure (DeepseekV3ForCausalLM's says how):
-        (float32 logits [B, vocab], MoE choices [num_moe_layers, B, top_k])."""
+        float32 logits [B, vocab]; each MoE layer's choices added into ``expert_counts``."""
         raise NotImplementedError
 
     def moe_layers(self) -> list[MoE]:

@@ -132,15 +132,17 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         positions: torch.Tensor,
         block_tables: torch.Tensor,
         kv_rows: torch.Tensor,
+        expert_counts: torch.Tensor,
         block_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """One new token per sequence, as a graph can capture it: no host sync, no Python that
         depends on the data, shapes from the inputs alone. input_ids, positions: [B];
         block_tables: [B, W] (padded with any valid block; W * block_size may pass the longest
         context; the token's slot and the context length follow from them); kv_rows: ``allocate_kv_cache``'s tensor as [tokens, dim] rows (the
         graph writes into its input itself: through a view, it would copy the whole cache).
-        Returns float32 logits [B, vocab] and each MoE layer's logical choices
-        [num_moe_layers, B, top_k] (the engine counts them; V3 has no hash-routed layers)."""
+        Returns float32 logits [B, vocab]; adds each MoE layer's logical choices into
+        ``expert_counts`` ([num_moe_layers * n_routed_experts], ExpertLoad's bucket: counted
+        here, the step leaves no host work behind; V3 has no hash-routed layers)."""
         dim = kv_rows.shape[-1]
         num_blocks = kv_rows.shape[0] // (self.config.num_hidden_layers * block_size)
         blocks = kv_rows.view(-1, block_size, dim)
@@ -169,4 +171,8 @@ class DeepseekV3ForCausalLM(MoECausalLM):
                 routed.append(ids)
         assert residual is not None
         x, _ = self.model.norm.add_forward(x, residual)
-        return self.compute_logits(x), torch.stack(routed)
+        choices = torch.stack(routed)  # [num_moe_layers, B, top_k]
+        row = torch.arange(choices.shape[0], device=choices.device) * self.config.n_routed_experts
+        flat = (choices + row[:, None, None]).reshape(-1)
+        expert_counts.index_add_(0, flat, torch.ones_like(flat))
+        return self.compute_logits(x)
