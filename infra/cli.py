@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -145,8 +146,6 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         args.model,
         "--kv-transport",
         args.kv_transport,
-        "--torch-threads",
-        str(args.torch_threads),
     ]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
@@ -156,7 +155,6 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         worker += ["--router-skew", str(args.router_skew)]
     if args.enforce_eager:
         worker += ["--enforce-eager"]
-    worker += shlex.split(args.worker_args)  # last: they win
     serve_args = {
         "gateway": [
             *("--model", args.model),
@@ -178,7 +176,12 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         ],
     }
     for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
-        serve_args[role] = [*worker, *shlex.split(getattr(args, f"{role}_args"))]
+        serve_args[role] = [
+            *worker,
+            *_sharing(role, args),
+            *shlex.split(args.worker_args),  # after ours: they win
+            *shlex.split(getattr(args, f"{role}_args")),
+        ]
         _check_serve_flags(role, serve_args[role], f"--worker-args / --{role}-args")
     for role in ("gateway", "scheduler", "eplb"):
         _check_serve_flags(role, serve_args[role], "flags")
@@ -199,11 +202,31 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         cluster=args.cluster,
         restart=RestartPolicy(args.restart),
         serve_args=serve_args,
-        # the key reaches the gateway in its environment: argv is readable by any user
-        serve_env={"gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""}},
+        serve_env={
+            # the key reaches the gateway in its environment: argv is readable by any user
+            "gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""},
+            # prefill threads share their cores with the decode workers: at an OpenMP barrier
+            # they sleep instead of spinning on a core that a decode step wants
+            "prefill": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
+        },
         tls=certs,
         throwaway_tls=args.tls,
     )
+
+
+def _sharing(role: str, args: argparse.Namespace) -> list[str]:
+    """How a worker shares this machine's cores: prefill workers split them all (a prompt is
+    big arithmetic; TTFT is what it sets), decode workers run behind them (--decode-nice: when
+    both want a core, the prompt goes first, as llama.cpp puts prompts first in its batches)."""
+    if role != "prefill":
+        nice = args.decode_nice if role == "decode" else 0
+        return ["--torch-threads", str(args.torch_threads), "--nice", str(nice)]
+    threads = args.prefill_torch_threads
+    if not threads:
+        processes = _pd_count(args.prefill, args.aggregated)
+        processes += args.prefill_dep if args.prefill_dep > 1 else 0
+        threads = max(1, (os.cpu_count() or 1) // max(1, processes))
+    return ["--torch-threads", str(threads)]
 
 
 def _check_serve_flags(role: str, extra: list[str], source: str) -> None:
@@ -295,7 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
     flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
     flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
-    flags.add(up, "--torch-threads", 1, "torch threads per worker")
+    flags.add(up, "--torch-threads", 1, "torch threads per decode or aggregated worker")
+    flags.add(
+        up,
+        "--prefill-torch-threads",
+        0,
+        "torch threads per prefill worker (0: the machine's cores, split among them)",
+    )
+    flags.add(
+        up,
+        "--decode-nice",
+        5,
+        "decode workers' CPU priority below the rest (0..19): prompts first on shared cores",
+    )
     flags.add(up, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
     flags.add(up, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
     flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")

@@ -115,6 +115,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "seconds between checks that the KV transport can still connect (0: none)",
     )
     add(p, "--torch-threads", w.torch_threads, "torch intra-op threads (0: torch's default)")
+    add(p, "--nice", w.nice, "lower this worker's CPU priority by N (0..19): others go first")
     add(p, "--dep-size", w.dep_size, "ranks in this worker's DEP group (1: none)")
     add(p, "--dep-rank", w.dep_rank, "this worker's rank in its DEP group")
     add(p, "--dep-master", w.dep_master, "host:port where the group's ranks meet")
@@ -308,6 +309,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         verify_checksum=args.verify_checksum,
         kv_probe_interval_s=args.kv_probe_interval,
         torch_threads=args.torch_threads,
+        nice=args.nice,
         dep_size=args.dep_size,
         dep_rank=args.dep_rank,
         dep_master=args.dep_master,

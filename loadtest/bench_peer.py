@@ -198,19 +198,26 @@ def table(result: dict[str, Any]) -> str:
         f"| in-process decode, one request (600-token prompt), ms per token "
         f"| {s['ferry_median']:.2f} | {s['llamacpp_median']:.2f} |",
     ]
-    ferry, llama = result["served"]["ferry"], result["served"]["llamacpp"]
-    for mine, theirs in zip(ferry, llama, strict=True):
-        if "ttft_s" not in mine or "ttft_s" not in theirs:
+    llama = result["served"]["llamacpp"]
+    for name, rows in result["served"].items():
+        if not name.startswith("ferry"):
             continue
-        c = mine["concurrency"]
-        lines.append(
-            f"| served, {c} concurrent sessions: output tok/s (TPOT p50, TTFT p99) "
-            f"| {mine['output_tokens_per_s']:.0f} ({mine['tpot_s']['p50'] * 1e3:.1f} ms, "
-            f"{mine['ttft_s']['p99']:.2f} s) "
-            f"| {theirs['output_tokens_per_s']:.0f} ({theirs['tpot_s']['p50'] * 1e3:.1f} ms, "
-            f"{theirs['ttft_s']['p99']:.2f} s) |"
-        )
+        flags = f" (`ferry up {result['ferry']['variants'][name[6:]]}`)" if name != "ferry" else ""
+        for mine, theirs in zip(rows, llama, strict=True):
+            if "ttft_s" not in mine or "ttft_s" not in theirs:
+                continue
+            lines.append(
+                f"| served{flags}, {mine['concurrency']} concurrent sessions: output tok/s "
+                f"(TPOT p50, TTFT p99) | {_cell(mine)} | {_cell(theirs)} |"
+            )
     return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any]) -> str:
+    return (
+        f"{row['output_tokens_per_s']:.0f} ({row['tpot_s']['p50'] * 1e3:.1f} ms, "
+        f"{row['ttft_s']['p99']:.2f} s)"
+    )
 
 
 def main() -> None:
@@ -224,6 +231,11 @@ def main() -> None:
     p.add_argument("--table", action="store_true", help="print --out's JSON as a markdown table")
     p.add_argument(
         "--single-user-only", action="store_true", help="the logits and one user; print, no file"
+    )
+    p.add_argument(
+        "--ferry-variants",
+        default="",
+        help='after the defaults, `ferry up` with other flags too: "NAME=FLAGS;NAME=FLAGS"',
     )
     args = p.parse_args()
     out = Path(args.out)
@@ -248,7 +260,10 @@ def main() -> None:
             "server_flags": PEER.description,
             "gguf": "f32, converted by convert_hf_to_gguf.py",
         },
-        "ferry": {"served": "ferry up (defaults: 1 prefill + 1 decode worker)"},
+        "ferry": {
+            "served": "ferry up (defaults: 1 prefill worker on every core, 1 decode worker on "
+            "1 thread at nice 5)"
+        },
         "eos": "llama.cpp's ignore_eos bans EOS; Ferry's samples it and goes on (same lengths)",
     }
     engine = Engine(EngineConfig(model=str(ckpt)), log=say)
@@ -278,11 +293,28 @@ def main() -> None:
         result["ferry"]["ready_s"] = time.monotonic() - started
         warm_up(cluster, "tiny", 2)
         result["served"]["ferry"] = served(cluster, args, trace, work_dir)
+    for name, flags in variants(args.ferry_variants).items():
+        config = ClusterConfig(name, flags, (*CONFIGS["1p1d"].args, *shlex.split(flags)))
+        with start_ferry(config, "tiny", work_dir) as cluster:
+            warm_up(cluster, "tiny", 2)
+            result["served"][f"ferry {name}"] = served(cluster, args, trace, work_dir)
+        result["ferry"].setdefault("variants", {})[name] = flags
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out.with_suffix(".png"))
     print(table(result))
     print(f"wrote {out} and {out.with_suffix('.png')} (logs: {work_dir})")
+
+
+def variants(spec: str) -> dict[str, str]:
+    """``NAME=FLAGS;NAME=FLAGS`` → {name: `ferry up` flags}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, sep, flags = part.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--ferry-variants: {part!r} is not NAME=FLAGS")
+        out[name.strip()] = flags.strip()
+    return out
 
 
 def _commit(binary: Path) -> str:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from ferry.services.common.config import ServiceConfig
 from ferry.services.engine.config import EngineConfig
 
+MAX_NICE = 19  # the lowest priority Linux has
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -20,6 +22,8 @@ class WorkerConfig:
     verify_checksum: bool = False  # CRC32 every transfer (tests)
     kv_probe_interval_s: float = 5.0  # how often the KV transports check they can connect
     torch_threads: int = 0  # 0: torch's default
+    # lower CPU priority (nice): where workers share cores, the others go first
+    nice: int = 0
     dep_size: int = 1  # ranks in this worker's DEP group (1: not a group)
     dep_rank: int = 0
     dep_master: str = ""  # host:port where rank 0 meets the others
@@ -32,6 +36,8 @@ class WorkerConfig:
             raise ValueError("lease_seconds and transfer_timeout_s must be positive")
         if self.torch_threads < 0:
             raise ValueError("torch_threads must be >= 0")
+        if not 0 <= self.nice <= MAX_NICE:
+            raise ValueError(f"nice must be in 0..{MAX_NICE}")
         if self.kv_probe_interval_s < 0:
             raise ValueError("kv_probe_interval_s must be >= 0 (0: no probes)")
         if self.dep_size < 1 or not 0 <= self.dep_rank < self.dep_size:

@@ -25,6 +25,7 @@ from ferry.services.common.cluster_state import (
     WorkerRecord,
 )
 from ferry.services.common.log import get_logger
+from ferry.services.common.os_thread import lower_priority
 from ferry.services.common.server import Service
 from ferry.services.engine.async_engine import AsyncEngine
 from ferry.services.engine.engine import Engine
@@ -53,6 +54,7 @@ class EngineWorker(Service):
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         use_service_defaults()  # a decode worker pulls over whatever transport a handle names
+        lower_priority(config.nice)  # before the engine's threads start: they inherit it
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.worker_id = config.service.name_for(self.role)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -162,6 +163,30 @@ def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
     assert serve["prefill"][-2:] == serve["aggregated"][-2:] == ["--max-num-seqs", "8"]
     decode = build_parser().parse_args(["serve", "decode", *serve["decode"]])
     assert (decode.max_num_seqs, decode.block_size) == (64, 16)
+
+
+def test_prefill_workers_split_the_cores_and_decode_workers_run_behind_them() -> None:
+    import os
+
+    from ferry.infra.cli import build_parser, cluster_spec
+
+    def worker(role: str, *flags: str) -> argparse.Namespace:
+        spec = cluster_spec(build_parser().parse_args(["up", *flags]))
+        return build_parser().parse_args(["serve", role, *spec.serve_args[role]])
+
+    cores = os.cpu_count() or 1
+    assert worker("prefill").torch_threads == cores
+    assert worker("prefill", "--prefill", "2").torch_threads == max(1, cores // 2)
+    assert worker("prefill", "--prefill-torch-threads", "3").torch_threads == 3
+    assert (worker("prefill").nice, worker("decode").nice, worker("aggregated").nice) == (0, 5, 0)
+    decode = worker("decode", "--decode-nice", "0", "--torch-threads", "2")
+    assert (decode.nice, decode.torch_threads) == (0, 2)
+    assert worker("decode", "--decode-args", "--nice 3").nice == 3  # a role's own flags win
+    spec = cluster_spec(build_parser().parse_args(["up"]))
+    assert spec.serve_env["prefill"]["OMP_WAIT_POLICY"] in (
+        "PASSIVE",
+        os.environ.get("OMP_WAIT_POLICY"),
+    )
 
 
 def test_ferry_up_refuses_flags_a_worker_would_not_take_before_starting_anything() -> None:
