@@ -192,24 +192,24 @@ async def hop_decode_worker(
     return s
 
 
-async def hop_scheduler(s: Stream, address: str, prompt: list[int], tokens: int) -> Stream:
+async def hop_stream(s: Stream, address: str, call: Callable[[Any], Any]) -> Stream:
+    """A TokenChunk stream that ``call(channel)`` starts (the scheduler's, the gateway's)."""
     async with grpc.aio.insecure_channel(address) as ch:
-        req = scheduler_pb2.GenerateRequest(
-            prompt_token_ids=prompt, sampling_params=_params(tokens)
-        )
-        async for chunk in scheduler_pb2_grpc.SchedulerStub(ch).Generate(req):
+        async for chunk in call(ch):
             s.got(len(chunk.token_ids))
     return s
 
 
-async def hop_gateway_grpc(s: Stream, address: str, prompt: list[int], tokens: int) -> Stream:
-    async with grpc.aio.insecure_channel(address) as ch:
-        req = ferry_pb2.TextGenerateRequest(
-            model="tiny", prompt_token_ids=prompt, sampling_params=_params(tokens)
-        )
-        async for chunk in ferry_pb2_grpc.FerryStub(ch).Generate(req):
-            s.got(len(chunk.token_ids))
-    return s
+def _scheduler_call(prompt: list[int], tokens: int) -> Callable[[Any], Any]:
+    req = scheduler_pb2.GenerateRequest(prompt_token_ids=prompt, sampling_params=_params(tokens))
+    return lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Generate(req)
+
+
+def _gateway_call(prompt: list[int], tokens: int) -> Callable[[Any], Any]:
+    req = ferry_pb2.TextGenerateRequest(
+        model="tiny", prompt_token_ids=prompt, sampling_params=_params(tokens)
+    )
+    return lambda ch: ferry_pb2_grpc.FerryStub(ch).Generate(req)
 
 
 def hop_gateway_sse(s: Stream, url: str, text: str, tokens: int) -> Stream:
@@ -254,8 +254,12 @@ class Hops:
             "decode_worker": lambda s, t: asyncio.run(
                 hop_decode_worker(s, self.prefill, self.decode, enc(t), n)
             ),
-            "scheduler": lambda s, t: asyncio.run(hop_scheduler(s, c.scheduler, enc(t), n)),
-            "gateway_grpc": lambda s, t: asyncio.run(hop_gateway_grpc(s, c.grpc, enc(t), n)),
+            "scheduler": lambda s, t: asyncio.run(
+                hop_stream(s, c.scheduler, _scheduler_call(enc(t), n))
+            ),
+            "gateway_grpc": lambda s, t: asyncio.run(
+                hop_stream(s, c.grpc, _gateway_call(enc(t), n))
+            ),
             "gateway_sse": lambda s, t: hop_gateway_sse(s, c.http, t, n),
         }
 
