@@ -4,7 +4,8 @@ For each layout (the `small` preset's cache, and DeepSeek-V3's: 61 layers x 576 
 on a synthetic cache) and 1k / 8k / 32k tokens: one-shot GB/s over `ucx` and `grpc` (an exporter
 process, this process importing), a local gather + scatter of the same blocks (the memory
 bandwidth ceiling), and UCX's own `ucx_perftest -t tag_bw` at the same message size (the ceiling
-of UCX itself). Then p50/p99 latency of a 1k-token pull under 16 concurrent pulls.
+of UCX itself; each one-shot ucx row records its share of it as "of_ucx_perftest"). Then p50/p99
+latency of a 1k-token pull under 16 concurrent pulls.
 
     python loadtest/bench_kv_transfer.py            # writes loadtest/results/kv_transfer.json
 """
@@ -221,6 +222,21 @@ def ucx_perftest(nbytes: int, port: int) -> float:
     return float(final.split()[6]) * 2**20 / 1e9  # "overall" column, in MiB/s (UCS_MBYTE)
 
 
+def of_perftest(rows: list[dict[str, object]]) -> None:
+    """Add to each one-shot ucx row of one layout its share of ucx_perftest's GB/s at the same
+    size ("of_ucx_perftest"), and print them."""
+    ceiling = {r["tokens"]: r["gbps"] for r in rows if r["transport"] == "ucx_perftest"}
+    for r in rows:
+        if r["transport"] == "ucx" and "gbps" in r:
+            gbps, perftest = float(r["gbps"]), float(ceiling[r["tokens"]])  # type: ignore[arg-type]
+            r["of_ucx_perftest"] = gbps / perftest
+            print(
+                f"{r['layout']} {r['tokens']} tokens: ucx {r['blocks']} {gbps:.2f} GB/s, "
+                f"{gbps / perftest:.0%} of ucx_perftest's {perftest:.2f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -285,6 +301,7 @@ def main() -> None:
                     "gbps": ucx_perftest(nbytes, 13400 + t % 97),
                 }
             )
+        of_perftest([r for r in results if r["layout"] == name])
         print(json.dumps([r for r in results if r["layout"] == name], indent=1), flush=True)
     out = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),

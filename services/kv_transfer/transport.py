@@ -4,15 +4,25 @@ exporter/importer around a transport own leases, layout checks and the cache's b
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from ferry.services.kv_transfer.registry import TRANSPORT_MODULES, transport_names
-from ferry.services.kv_transfer.staging import StagingPool, layer_block_bytes, scatter_layers
+from ferry.services.kv_transfer.staging import (
+    StagingPool,
+    block_rows,
+    chunk_ring,
+    layer_block_bytes,
+    row_order,
+    scatter_layers,
+    scatter_rows,
+)
 
 # After a failed in-place receive, the peer may still be finishing one message it had started
 # writing into the blocks (a rendezvous put already granted): wait this long before the blocks
@@ -27,10 +37,13 @@ if TYPE_CHECKING:
 class KvSink:
     """Where one pull lands: the destination blocks of the importer's cache, in transfer order.
 
-    A transport writes either straight into runs of those blocks (:meth:`blocks`) or into
-    :meth:`staged`, a contiguous [layers, blocks, block_size, dim] buffer. For a staged receive
-    it calls :meth:`landed` as layers complete, so that they are scattered into the cache while
-    the rest arrives; a staged buffer that was never reported is scattered whole by :meth:`finish`.
+    A transport writes straight into runs of those blocks (:meth:`blocks`), or into
+    :meth:`staged`, a contiguous [layers, blocks, block_size, dim] buffer, or a chunk of rows at a
+    time into one of :meth:`chunk_buffers` (rows as in :mod:`~services.kv_transfer.staging`).
+    For a staged receive it calls :meth:`landed` as layers complete, so that they are scattered
+    into the cache while the rest arrives; a staged buffer that was never reported is scattered
+    whole by :meth:`finish`. A chunk goes into the cache by :meth:`land_rows` before its buffer
+    takes another.
     """
 
     def __init__(self, cache: torch.Tensor, block_ids: list[int], pool: StagingPool) -> None:
@@ -38,6 +51,7 @@ class KvSink:
         self.block_ids = block_ids
         self._pool = pool
         self._staged: torch.Tensor | None = None
+        self._chunks: list[torch.Tensor] = []
         self._idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
         self._copies: list[asyncio.Future[None]] = []
         self._in_place = False
@@ -62,6 +76,29 @@ class KvSink:
             self._staged = self._pool.take(shape, c.dtype)
         return self._staged
 
+    @property
+    def num_rows(self) -> int:
+        return self.cache.shape[0] * len(self.block_ids)
+
+    def chunk_buffers(self, per: int) -> list[torch.Tensor]:
+        """Buffers to receive the transfer's rows ``per`` at a time (see
+        :func:`~services.kv_transfer.staging.chunk_ring`)."""
+        self._chunks = chunk_ring(self._pool, self.num_rows, per, layer_block_bytes(self.cache))
+        return self._chunks
+
+    def land_rows(self, r0: int, part: torch.Tensor) -> None:
+        """Rows ``r0 .. r0 + len(part)`` of the transfer are in ``part``: copy them into the
+        cache now (on this thread; a chunk takes a fraction of a millisecond)."""
+        scatter_rows(self._rows, self._order[r0 : r0 + len(part)], part)
+
+    @functools.cached_property
+    def _rows(self) -> torch.Tensor:
+        return block_rows(self.cache)
+
+    @functools.cached_property
+    def _order(self) -> np.ndarray:
+        return row_order(self.block_ids, self.cache.shape[0], self.cache.shape[1])
+
     def landed(self, l0: int, l1: int) -> None:
         """Staged layers [l0, l1) are complete: copy them into the cache in the background."""
         loop = asyncio.get_running_loop()
@@ -70,17 +107,20 @@ class KvSink:
         )
 
     async def finish(self) -> None:
-        """Wait until every byte is in the cache, then hand the staging buffer back."""
+        """Wait until every byte is in the cache, then hand the staging buffers back."""
         if self._staged is not None and not self._copies:
             self.landed(0, self.cache.shape[0])
         await asyncio.gather(*self._copies)
         if self._staged is not None:
             self._pool.give(self._staged)
             self._staged = None
+        for buf in self._chunks:
+            self._pool.give(buf)
+        self._chunks = []
 
     async def abandon(self) -> None:
-        """After a failure: wait for copies still writing into the blocks. The staging buffer is
-        not reused, since a failed receive may still be writing into it."""
+        """After a failure: wait for copies still writing into the blocks. The staging buffers
+        are not reused, since a failed receive may still be writing into them."""
         await asyncio.gather(*self._copies, return_exceptions=True)
         if self._in_place:
             await asyncio.sleep(IN_PLACE_GRACE_S)

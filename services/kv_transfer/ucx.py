@@ -1,11 +1,14 @@
 """UCX transport over ucxx: a listener on the exporter, pooled async endpoints on the importer.
 
 Per transfer, on one endpoint: the importer sends a JSON request, the exporter answers with a
-JSON header naming the layer chunks, then sends the staged payload chunk by chunk (rendezvous
-protocol: UCX writes each straight into the importer's staging tensor). The exporter gathers
-chunk i+1 from its cache while chunk i is on the wire, and the importer scatters chunk i into its
-cache while chunk i+1 arrives. CPU buffers go over TCP or shared memory here; a CUDA tensor
-would go the same way without a host copy.
+JSON header saying how the payload is cut, then sends it message by message (rendezvous
+protocol: UCX copies each straight from the exporter's buffer into the importer's). When both
+sides' blocks are fragmented the payload goes in chunks of rows, chunk i tagged i, through a few
+reused buffers on each side: the exporter gathers the next chunk while earlier ones are on the
+wire, the importer scatters each as it lands. Otherwise
+(:class:`~services.kv_transfer.staging.TransferPlan`) runs of blocks go in place, and a
+fragmented side stages the whole transfer, layer by layer. CPU buffers go over TCP or shared
+memory here; a CUDA tensor would go the same way without a host copy.
 """
 
 from __future__ import annotations
@@ -25,12 +28,17 @@ import torch
 from ferry.services.common.log import get_logger
 from ferry.services.kv_transfer.handle import LeaseNotFound, TransferError
 from ferry.services.kv_transfer.staging import (
+    CHUNK_BYTES,
     TransferPlan,
+    block_rows,
     block_runs,
     checksum_blocks,
+    chunk_ring,
     gather_layers,
+    gather_rows,
     layer_block_bytes,
     layer_chunks,
+    row_order,
     runs_of,
 )
 from ferry.services.kv_transfer.transport import KvSink, KvTransport, register
@@ -104,10 +112,8 @@ async def _recv_json(ep: Any) -> dict[str, Any]:
 
 async def _receive(ep: Any, sink: KvSink, header: dict[str, Any]) -> None:
     """Receive the messages the exporter's header announced, in the exporter's order."""
-    if "chunks" in header:  # staged on both sides
-        for l0, l1 in header["chunks"]:
-            await ep.recv(_bytes_view(sink.staged()[l0:l1]))
-            sink.landed(l0, l1)
+    if "rows_per_chunk" in header:  # both sides fragmented
+        await _receive_rows(ep, sink, int(header["rows_per_chunk"]))
         return
     plan = TransferPlan.from_json(header["plan"])
     for layer in range(sink.cache.shape[0]):
@@ -119,6 +125,93 @@ async def _receive(ep: Any, sink: KvSink, header: dict[str, Any]) -> None:
             await ep.recv(_bytes_view(part))
         if not plan.dst_in_place:
             sink.landed(layer, layer + 1)
+
+
+async def _receive_rows(ep: Any, sink: KvSink, per: int) -> None:
+    """The chunks of :func:`_send_rows`, a receive posted ahead for each buffer, each chunk
+    scattered into the cache as it lands."""
+    starts = range(0, sink.num_rows, per)
+    ring = sink.chunk_buffers(per)
+    recvs: dict[int, asyncio.Future[Any]] = {}
+
+    def post(i: int) -> None:
+        if i < len(starts):
+            part = ring[i % len(ring)][: sink.num_rows - starts[i]]
+            recvs[i] = asyncio.ensure_future(ep.recv(_bytes_view(part), tag=i))
+
+    for i in range(len(ring)):
+        post(i)
+    try:
+        for i, r0 in enumerate(starts):
+            await recvs.pop(i)
+            sink.land_rows(r0, ring[i % len(ring)][: sink.num_rows - r0])
+            post(i + len(ring))
+    except BaseException:
+        await _drop(list(recvs.values()))
+        raise
+
+
+async def _send_rows(exporter: KvExporter, ep: Any, src: list[int], per: int) -> None:
+    """The transfer's rows in chunks of ``per``, chunk i tagged i, through a ring of buffers:
+    the next chunk is gathered (on this thread, a fraction of a millisecond) while earlier ones
+    are on the wire."""
+    cache = exporter.cache
+    rows = block_rows(cache)
+    order = row_order(src, cache.shape[0], cache.shape[1])
+    ring = chunk_ring(exporter.staging, len(order), per, rows.shape[1])
+    sends: list[asyncio.Future[Any]] = []
+    try:
+        for i, r0 in enumerate(range(0, len(order), per)):
+            if i >= len(ring):
+                await sends[i - len(ring)]  # its buffer is free again
+            part = ring[i % len(ring)][: len(order) - r0]
+            gather_rows(rows, order[r0 : r0 + per], part)
+            sends.append(asyncio.ensure_future(ep.send(_bytes_view(part), tag=i)))
+        await asyncio.gather(*sends)
+    except BaseException:
+        await _drop(sends)
+        raise
+    for buf in ring:  # only after every send completed: a failed one may still read it
+        exporter.unstage(buf)
+
+
+async def _drop(requests: list[asyncio.Future[Any]]) -> None:
+    """Cancel the requests of a failed transfer and wait until they have ended."""
+    for r in requests:
+        r.cancel()
+    await asyncio.gather(*requests, return_exceptions=True)
+
+
+async def _send_planned(exporter: KvExporter, ep: Any, src: list[int], plan: TransferPlan) -> None:
+    """One message per layer and piece of ``plan``: from the cache where the exporter's blocks
+    are in place, else out of a staging buffer gathered in layer chunks, chunk i+1 while chunk i
+    is sent."""
+    cache = exporter.cache
+    num_layers = cache.shape[0]
+    chunks = layer_chunks(num_layers, len(src) * layer_block_bytes(cache))
+    staged = None if plan.src_in_place else exporter.take_staging(len(src))
+    loop = asyncio.get_running_loop()
+    idx = torch.tensor(src, dtype=torch.long, device=cache.device)
+
+    def gather(i: int) -> asyncio.Future[None] | None:
+        if staged is None or i >= len(chunks):
+            return None
+        return loop.run_in_executor(None, gather_layers, cache, idx, staged, *chunks[i])
+
+    pending = gather(0)
+    for i, (l0, l1) in enumerate(chunks):
+        if pending is not None:
+            await pending
+            pending = gather(i + 1)
+        for layer in range(l0, l1):
+            for off, n in plan.pieces:
+                if staged is None:  # in place: the run straight out of the cache
+                    part = cache[layer, src[off] : src[off] + n]
+                else:
+                    part = staged[layer, off : off + n]
+                await ep.send(_bytes_view(part))
+    if staged is not None:
+        exporter.unstage(staged)  # only after every send completed: a failed one may still read it
 
 
 @register("ucx")
@@ -169,49 +262,22 @@ class UcxTransport(KvTransport):
             return
         block_bytes = layer_block_bytes(cache)
         plan = TransferPlan.make(src, dst, block_bytes)
-        crc = checksum_blocks(cache, src) if msg.get("checksum") else None
-        num_layers = cache.shape[0]
-        # Staged sends go out in layer chunks: chunk i+1 is gathered while chunk i is sent.
-        chunks = layer_chunks(num_layers, len(src) * block_bytes)
         header: dict[str, Any] = {
             "ok": True,
-            "nbytes": num_layers * len(src) * block_bytes,
-            "checksum": crc,
+            "nbytes": cache.shape[0] * len(src) * block_bytes,
+            "checksum": checksum_blocks(cache, src) if msg.get("checksum") else None,
         }
-        header.update({"chunks": chunks} if plan is None else {"plan": plan.to_json()})
+        if plan is None:
+            header["rows_per_chunk"] = max(1, CHUNK_BYTES // block_bytes)
+        else:
+            header["plan"] = plan.to_json()
         await _send_json(ep, header)
         if self.fault_delay_before_payload_s:
             await asyncio.sleep(self.fault_delay_before_payload_s)
-
-        staged = None if plan is not None and plan.src_in_place else exporter.take_staging(len(src))
-        loop = asyncio.get_running_loop()
-        idx = torch.tensor(src, dtype=torch.long, device=cache.device)
-
-        def gather(i: int) -> asyncio.Future[None] | None:
-            if staged is None or i >= len(chunks):
-                return None
-            return loop.run_in_executor(None, gather_layers, cache, idx, staged, *chunks[i])
-
-        pending = gather(0)
-        for i, (l0, l1) in enumerate(chunks):
-            if pending is not None:
-                await pending
-                pending = gather(i + 1)
-            if plan is None:
-                assert staged is not None
-                await ep.send(_bytes_view(staged[l0:l1]))
-                continue
-            for layer in range(l0, l1):
-                for off, n in plan.pieces:
-                    if staged is None:  # in place: the run straight out of the cache
-                        part = cache[layer, src[off] : src[off] + n]
-                    else:
-                        part = staged[layer, off : off + n]
-                    await ep.send(_bytes_view(part))
-        if staged is not None:
-            exporter.unstage(
-                staged
-            )  # only after every send completed: a failed one may still read it
+        if plan is None:
+            await _send_rows(exporter, ep, src, header["rows_per_chunk"])
+        else:
+            await _send_planned(exporter, ep, src, plan)
 
     async def probe(self, timeout: float) -> str | None:
         """Connect to a listener of this process's own: a UCX worker wedged by a peer's death

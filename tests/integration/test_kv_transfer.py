@@ -28,6 +28,7 @@ from ferry.services.kv_transfer.handle import (
     LeaseNotFound,
     TransferError,
 )
+from ferry.services.kv_transfer.staging import CHUNK_BYTES, WINDOW, block_runs
 from ferry.services.kv_transfer.synthetic_exporter import make_cache
 from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UcxTransport
@@ -110,9 +111,9 @@ def test_64_concurrent_pulls_arrive_bit_exact(transport: str) -> None:
             asyncio.run(_pull_once(importer(transport), handles[0]))
 
 
-async def _pull_once(imp: KvImporter, handle: KvHandle) -> list[int]:
+async def _pull_once(imp: KvImporter, handle: KvHandle, dst: list[int] | None = None) -> list[int]:
     try:
-        return await imp.pull(handle)
+        return await imp.pull(handle, dst)
     finally:
         await imp.transport.close()
 
@@ -138,6 +139,38 @@ def test_exporter_killed_mid_transfer(transport: str) -> None:
 
         assert asyncio.run(run()) < 4.0
         assert imp.kv.usage()["in_use"] == 0  # the reserved destination blocks are free again
+        imp.kv.check_integrity()
+
+
+def test_ucx_exporter_killed_during_a_chunked_pull() -> None:
+    """Both sides fragmented, the exporter killed after announcing its chunks (it stalls before
+    the first): the pull fails within its timeout and its destination blocks are free again."""
+    args = ("--transport", "ucx", "--sizes", "512", "--fault-delay", "30")
+    with exporter_process(*args) as (proc, handles, _):
+        imp = importer("ucx", transfer_timeout=3.0)
+        # hold every block, then free every other one: the pull's blocks are all apart
+        taken = [imp.kv.hold_new(f"pad-{i}", 1) for i in range(BLOCKS)]
+        for i in range(0, BLOCKS, 2):
+            imp.kv.release_hold(f"pad-{i}")
+        free = {b for blocks in taken[::2] for b in blocks or []}
+        assert len(free) == 512 and not any(b + 1 in free for b in free)
+
+        async def run() -> float:
+            task = asyncio.create_task(imp.pull(handles[0]))
+            while imp.kv.usage()["in_use"] < BLOCKS:  # its destination blocks: under way
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # time for the header
+            os.kill(proc.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(TransferError) as info:
+                await task
+            assert handles[0].transfer_id in str(info.value)
+            await imp.transport.close()
+            return time.monotonic() - started
+
+        assert asyncio.run(run()) < 4.0
+        assert imp.kv.usage()["in_use"] == BLOCKS // 2  # only the padding is still held
+        assert len(imp.staging) == 0  # the failed pull's buffers are not reused
         imp.kv.check_integrity()
 
 
@@ -311,8 +344,40 @@ def test_ucx_in_place_and_staged_sides_arrive_bit_exact(src: str) -> None:
         staged_after = asyncio.run(run())
         for s, dst in zip(srcs, dsts.values(), strict=True):
             assert torch.equal(cache[:, dst], expected[:, s])
-        # in-place receives took no staging buffer; only the fragmented destination did
-        assert staged_after == {"one run": 0, "two runs": 0, "fragmented": 1}
+        # in-place receives took no staging buffer; the fragmented destination took one whole
+        # transfer's, or, when both sides are fragmented, WINDOW chunk buffers; all came back
+        fragmented = 1 if src == "contiguous" else WINDOW
+        assert staged_after == {"one run": 0, "two runs": 0, "fragmented": fragmented}
+
+
+def test_ucx_fragmented_sides_move_in_chunks_bit_exact() -> None:
+    """Both sides fragmented: the rows go in chunks through WINDOW buffers on each side, the
+    last chunk short. Destination runs and gaps (each run too short to move in place) land
+    exactly, and the blocks in the gaps stay untouched."""
+    n = 61
+    rows_per_chunk = CHUNK_BYTES // (BS * WIDE_DIM * 4)
+    assert LAYERS * n > (WINDOW + 1) * rows_per_chunk and (LAYERS * n) % rows_per_chunk
+    runs = [(3, 5), (9, 7), (200, 2), (30, 15), (60, 1), (100, 12), (80, 10), (120, 9)]
+    dst = [b for first, length in runs for b in range(first, first + length)]
+    assert len(dst) == n
+    args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS)]
+    with exporter_process(*args, "--sizes", str(n)) as (_, handles, srcs):
+        cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
+        imp = KvImporter(
+            create_transport("ucx"),
+            cache,
+            KVCacheManager(WIDE_BLOCKS, BS),
+            WIDE,
+            transfer_timeout=10.0,
+            verify_checksum=True,
+        )
+        assert block_runs(srcs[0]) != [(0, n)]  # the exporter's blocks are fragmented too
+        asyncio.run(_pull_once(imp, handles[0], dst))
+    expected = make_cache(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM, SEED)
+    assert torch.equal(cache[:, dst], expected[:, srcs[0]])
+    gaps = [b for b in range(WIDE_BLOCKS) if b not in dst]
+    assert not cache[:, gaps].any()
+    assert len(imp.staging) == WINDOW  # the chunk buffers went back for the next pull
 
 
 @NETWORK

@@ -8,11 +8,15 @@ import torch
 from ferry.services.kv_transfer.staging import (
     DIRECT_MIN_RUN_BYTES,
     TransferPlan,
+    block_rows,
     block_runs,
     checksum,
     checksum_blocks,
     gather_blocks,
+    gather_rows,
+    row_order,
     runs_of,
+    scatter_rows,
 )
 
 # one block of one layer is a sixteenth of the threshold: 16 consecutive blocks make a run
@@ -59,3 +63,26 @@ def test_checksum_of_blocks_equals_checksum_of_the_gathered_payload() -> None:
     cache = torch.randn(3, 20, 4, 8, dtype=torch.bfloat16)
     ids = [7, 8, 9, 0, 15, 3, 4]
     assert checksum_blocks(cache, ids) == checksum(gather_blocks(cache, ids))
+
+
+def test_rows_gather_in_transfer_order_and_scatter_exactly() -> None:
+    src = torch.randn(3, 20, 4, 8, dtype=torch.bfloat16)
+    src[1, 8, 0, 0] = float("nan")
+    ids = [7, 8, 9, 0, 15, 3, 4]
+    rows = torch.empty(3 * len(ids), 4 * 8 * 2, dtype=torch.uint8)
+    gather_rows(block_rows(src), row_order(ids, 3, 20), rows)
+    payload = rows.view(torch.bfloat16).view(3, len(ids), 4, 8)
+    assert checksum(payload) == checksum(gather_blocks(src, ids))  # the same bytes, NaN included
+    dst = torch.zeros_like(src)
+    dst_ids = [19, 2, 11, 12, 13, 5, 6]
+    order = row_order(dst_ids, 3, 20)
+    scatter_rows(block_rows(dst), order[:9], rows[:9])  # in two chunks, split mid-layer
+    scatter_rows(block_rows(dst), order[9:], rows[9:])
+    assert checksum_blocks(dst, dst_ids) == checksum_blocks(src, ids)
+    assert not dst[:, [b for b in range(20) if b not in dst_ids]].any()
+
+
+def test_row_order_refuses_blocks_outside_the_cache() -> None:
+    assert row_order([2, 0], 2, 3).tolist() == [2, 0, 5, 3]
+    with pytest.raises(ValueError, match="outside a cache of 20 blocks"):
+        row_order([3, 20], 2, 20)
