@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import torch
@@ -125,21 +125,29 @@ def test_exporter_killed_mid_transfer(transport: str) -> None:
     with exporter_process(*args) as (proc, handles, _):
         imp = importer(transport, transfer_timeout=3.0)
 
-        async def run() -> float:
-            task = asyncio.create_task(imp.pull(handles[0]))
-            while not imp.kv.usage()["in_use"]:  # its destination blocks: the pull is under way
-                await asyncio.sleep(0.01)
-            os.kill(proc.pid, signal.SIGKILL)  # (it would send its first chunk, then wait 30 s)
-            started = time.monotonic()
-            with pytest.raises(TransferError) as info:
-                await task
-            assert handles[0].transfer_id in str(info.value)
-            await imp.transport.close()
-            return time.monotonic() - started
-
-        assert asyncio.run(run()) < 4.0
+        # (killed, it would have sent its first chunk, then waited 30 s)
+        assert asyncio.run(_kill_mid_pull(imp, proc, handles[0], in_use=1)) < 4.0
         assert imp.kv.usage()["in_use"] == 0  # the reserved destination blocks are free again
         imp.kv.check_integrity()
+
+
+async def _kill_mid_pull(
+    imp: KvImporter, proc: Any, handle: KvHandle, in_use: int, grace: float = 0.0
+) -> float:
+    """Start ``imp``'s pull of ``handle``, kill the exporter once ``in_use`` blocks are held
+    (its destination: the pull is under way) and ``grace`` more seconds have passed (for its
+    header); the pull must fail naming the transfer. Returns the seconds it took to fail."""
+    task = asyncio.create_task(imp.pull(handle))
+    while imp.kv.usage()["in_use"] < in_use:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(grace)
+    os.kill(proc.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(TransferError) as info:
+        await task
+    assert handle.transfer_id in str(info.value)
+    await imp.transport.close()
+    return time.monotonic() - started
 
 
 def test_ucx_exporter_killed_during_a_chunked_pull() -> None:
@@ -155,20 +163,7 @@ def test_ucx_exporter_killed_during_a_chunked_pull() -> None:
         free = {b for blocks in taken[::2] for b in blocks or []}
         assert len(free) == 512 and not any(b + 1 in free for b in free)
 
-        async def run() -> float:
-            task = asyncio.create_task(imp.pull(handles[0]))
-            while imp.kv.usage()["in_use"] < BLOCKS:  # its destination blocks: under way
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)  # time for the header
-            os.kill(proc.pid, signal.SIGKILL)
-            started = time.monotonic()
-            with pytest.raises(TransferError) as info:
-                await task
-            assert handles[0].transfer_id in str(info.value)
-            await imp.transport.close()
-            return time.monotonic() - started
-
-        assert asyncio.run(run()) < 4.0
+        assert asyncio.run(_kill_mid_pull(imp, proc, handles[0], in_use=BLOCKS, grace=0.5)) < 4.0
         assert imp.kv.usage()["in_use"] == BLOCKS // 2  # only the padding is still held
         assert len(imp.staging) == 0  # the failed pull's buffers are not reused
         imp.kv.check_integrity()
@@ -324,14 +319,7 @@ def test_ucx_in_place_and_staged_sides_arrive_bit_exact(src: str) -> None:
     expected = make_cache(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM, SEED)
     with exporter_process(*args) as (_, handles, srcs):
         cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
-        imp = KvImporter(
-            create_transport("ucx"),
-            cache,
-            KVCacheManager(WIDE_BLOCKS, BS),
-            WIDE,
-            transfer_timeout=10.0,
-            verify_checksum=True,
-        )
+        imp = _wide_importer(cache)
 
         async def run() -> dict[str, int]:
             staged_after = {}
@@ -350,6 +338,14 @@ def test_ucx_in_place_and_staged_sides_arrive_bit_exact(src: str) -> None:
         assert staged_after == {"one run": 0, "two runs": 0, "fragmented": fragmented}
 
 
+def _wide_importer(cache: torch.Tensor) -> KvImporter:
+    """A checksumming UCX importer into ``cache``, a WIDE layout."""
+    kv = KVCacheManager(WIDE_BLOCKS, BS)
+    return KvImporter(
+        create_transport("ucx"), cache, kv, WIDE, transfer_timeout=10.0, verify_checksum=True
+    )
+
+
 def test_ucx_fragmented_sides_move_in_chunks_bit_exact() -> None:
     """Both sides fragmented: the rows go in chunks through WINDOW buffers on each side, the
     last chunk short. Destination runs and gaps (each run too short to move in place) land
@@ -363,14 +359,7 @@ def test_ucx_fragmented_sides_move_in_chunks_bit_exact() -> None:
     args = ["--transport", "ucx", "--dim", str(WIDE_DIM), "--blocks", str(WIDE_BLOCKS)]
     with exporter_process(*args, "--sizes", str(n)) as (_, handles, srcs):
         cache = torch.zeros(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM)
-        imp = KvImporter(
-            create_transport("ucx"),
-            cache,
-            KVCacheManager(WIDE_BLOCKS, BS),
-            WIDE,
-            transfer_timeout=10.0,
-            verify_checksum=True,
-        )
+        imp = _wide_importer(cache)
         assert block_runs(srcs[0]) != [(0, n)]  # the exporter's blocks are fragmented too
         asyncio.run(_pull_once(imp, handles[0], dst))
     expected = make_cache(LAYERS, WIDE_BLOCKS, BS, WIDE_DIM, SEED)
