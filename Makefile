@@ -10,9 +10,9 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer chaos clean redis
 
-setup: $(STAMP) redis
+setup: redis $(STAMP)
 
 # Re-install when pyproject.toml changes; torch first so nothing pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -26,12 +26,17 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 	@echo "make: installed"
 
-# redis-server, and setpriv (util-linux), which starts ferry up's children to die with it
+# redis-server; setpriv (util-linux), which starts ferry up's children to die with it; ip
+# (iproute2), iptables and libnetfilter-queue (NetfilterQueue builds on it), which make, break
+# and slow `ferry up --hosts`' hosts and links. Before the venv: pip builds NetfilterQueue.
+SYSTEM_PACKAGES := redis-server util-linux iproute2 iptables libnetfilter-queue-dev
 redis:
-	@command -v redis-server >/dev/null && command -v setpriv >/dev/null || { \
-	  echo "installing redis-server and util-linux (apt-get)"; \
+	@command -v redis-server >/dev/null && command -v setpriv >/dev/null \
+	  && command -v ip >/dev/null && command -v iptables >/dev/null \
+	  && dpkg -s libnetfilter-queue-dev >/dev/null 2>&1 || { \
+	  echo "installing $(SYSTEM_PACKAGES) (apt-get)"; \
 	  apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server util-linux; }
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); }
 
 # Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale). The .proto
 # files are read as ferry/protos/*.proto, so the generated code imports `ferry.protos`.
@@ -129,6 +134,10 @@ profile-served: setup
 # into build/peer once (~10 min on 2 cores); ~10 min more -> loadtest/results/peer-llamacpp.*
 bench-peer: setup
 	$(PY) loadtest/bench_peer.py $(BENCH_ARGS)
+
+# faults across hosts (network namespaces; root): loadtest/results/chaos.json. --short: ~5 min
+chaos: setup
+	$(PY) loadtest/chaos.py $(BENCH_ARGS)
 
 # MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
 bench-wide-ep: setup

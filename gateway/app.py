@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.context import Context
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -43,6 +44,7 @@ from ferry.gateway.protocol import (
 from ferry.gateway.streams import Choice, choices_of, merged, usage
 from ferry.gateway.tools import CallReader, Read, ToolUse
 from ferry.protos import common_pb2
+from ferry.services.common import tracing
 from ferry.services.common.log import get_logger
 
 log = get_logger(__name__)
@@ -153,7 +155,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
         params = _params(body, body.max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
             params.prompt_logprobs = body.logprobs
-        api = _Completions(backend, body, prompts)
+        api = _Completions(backend, body, prompts, tracing.from_headers(request.headers))
         if body.stream:
             return await _sse(request, api.stream(params))
         return JSONResponse(await _unless_gone(request, api.complete(params)))
@@ -198,7 +200,7 @@ def create_app(config: GatewayConfig, backend: Backend | None = None) -> FastAPI
             params.structured_output.CopyFrom(forced)
         if tools.mode == "auto":  # the call markers are special tokens in DeepSeek's vocabulary
             params.skip_special_tokens = False
-        api = _Chat(backend, body, [ids], tools)
+        api = _Chat(backend, body, [ids], tools, tracing.from_headers(request.headers))
         if body.stream:
             return await _sse(request, api.stream(params))
         return JSONResponse(await _unless_gone(request, api.complete(params)))
@@ -375,8 +377,15 @@ class _Api:
     prefix = ""
     num_top = 0  # how many top alternatives the request asked for
 
-    def __init__(self, backend: Backend, body: _Sampling, prompts: list[list[int]]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        body: _Sampling,
+        prompts: list[list[int]],
+        trace_parent: Context | None = None,  # a client's traceparent header
+    ) -> None:
         self.backend, self.body, self.prompts = backend, body, prompts
+        self.trace_parent = trace_parent
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = choices_of(len(prompts), body.n)
@@ -431,7 +440,9 @@ class _Api:
     def _merged(
         self, params: common_pb2.SamplingParams
     ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
-        return merged(self.backend, self.prompts, self.choices, params, self.body.n)
+        return merged(
+            self.backend, self.prompts, self.choices, params, self.body.n, self.trace_parent
+        )
 
     def opening(self) -> list[dict[str, Any]]:
         return []
@@ -561,8 +572,9 @@ class _Chat(_Api):
         body: ChatCompletionRequest,
         prompts: list[list[int]],
         tools: ToolUse,
+        trace_parent: Context | None = None,
     ) -> None:
-        super().__init__(backend, body, prompts)
+        super().__init__(backend, body, prompts, trace_parent)
         self.tools = tools
         self.readers = {c.index: self.reader() for c in self.choices}  # while streaming
 

@@ -4,11 +4,15 @@ from the scheduler (``Scheduler.Generate``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from ferry.gateway import metrics
 from ferry.gateway.chat_template import ChatTemplate
@@ -16,6 +20,7 @@ from ferry.gateway.config import GatewayConfig
 from ferry.gateway.errors import OpenAIError, from_grpc
 from ferry.gateway.schedulers import Replica, SchedulerPool
 from ferry.protos import common_pb2, scheduler_pb2
+from ferry.services.common import tracing
 from ferry.services.common.log import get_logger
 from ferry.services.common.streamed import Streamed
 from ferry.services.common.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
@@ -31,6 +36,32 @@ def for_choice(params: common_pb2.SamplingParams, index: int) -> common_pb2.Samp
     out.CopyFrom(params)
     out.seed = params.seed + index
     return out
+
+
+@contextlib.contextmanager
+def request_span(
+    api: str,
+    parent: Context | None,
+    model: str,
+    prompt_tokens: int,
+    output_tokens: Callable[[], int],
+) -> Iterator[Span]:
+    """The span of one API request (``api``: rest or grpc), the parent of its choices'
+    ``stream`` spans. ``status`` is the HTTP status the client gets, or stands for (gRPC), and
+    499 when the client went away first."""
+    with tracing.span("request", parent, api=api, model=model, prompt_tokens=prompt_tokens) as span:
+        status = 499
+        try:
+            yield span
+            status = 200
+        except OpenAIError as e:
+            status = e.status
+            raise
+        except Exception:
+            status = 500
+            raise
+        finally:
+            span.set_attributes({"status": status, "output_tokens": output_tokens()})
 
 
 class Backend:
@@ -127,10 +158,15 @@ class Backend:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def generate(
-        self, prompt_ids: list[int], params: common_pb2.SamplingParams, request_id: str = ""
+        self,
+        prompt_ids: list[int],
+        params: common_pb2.SamplingParams,
+        request_id: str = "",
+        parent: Span = trace.INVALID_SPAN,
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         """The scheduler's token stream; a gRPC error becomes an OpenAIError. Closing the
-        iterator (a client that went away) cancels the request upstream.
+        iterator (a client that went away) cancels the request upstream. Its span (``stream``,
+        a child of ``parent``) is the parent of the schedulers' spans.
 
         When the connection to the request's scheduler drops (the scheduler died or is
         restarting; the request died with it), a request that had streamed nothing is sent once
@@ -143,46 +179,55 @@ class Backend:
             request_id=rid, prompt_token_ids=prompt_ids, sampling_params=params
         )
         req, sent, retried, dropped = first, Streamed(), False, ""
-        while True:
-            replica = await self.schedulers.pick(avoid=dropped)
-            call = replica.stub.Generate(req, timeout=self.config.request_timeout_s)
-            streamed = False
-            try:
-                with replica.streaming():
-                    async for chunk in call:
-                        streamed = True
-                        sent.forward(chunk, rid)
-                        yield chunk
-                        if chunk.finish_reason:  # a connection lost after it loses nothing
-                            return
-                return
-            except grpc.aio.AioRpcError as e:
-                if not await replica.dropped(e):
-                    raise from_grpc(e.code(), e.details() or "") from e
-                if streamed and sent.can_move(self.config.migration_limit):
-                    metrics.MIGRATIONS.inc()
-                    req = sent.move(first, rid, "g")
-                elif not streamed and not retried:
-                    retried = True
-                else:
-                    why = (
-                        f"the scheduler at {replica.address} went away after "
-                        f"{len(sent.token_ids)} tokens of this request ({e.details()}); "
-                        "retry it"
-                    )
-                    raise OpenAIError(
-                        503, why, "service_unavailable", code="scheduler_unavailable"
-                    ) from e
-                log.info(
-                    "scheduler_connection_lost",
-                    request_id=rid,
-                    scheduler=replica.address,
-                    generated=len(sent.token_ids),
-                    migration=sent.moves,
+        with tracing.span("stream", parent, request_id=rid) as span:
+            while True:
+                replica = await self.schedulers.pick(avoid=dropped)
+                call = replica.stub.Generate(
+                    req, timeout=self.config.request_timeout_s, metadata=tracing.outgoing(span)
                 )
-                dropped = replica.address
-            finally:
-                call.cancel()  # a no-op once the stream has ended
+                streamed = False
+                try:
+                    with replica.streaming():
+                        async for chunk in call:
+                            if not streamed and not sent.token_ids:
+                                span.add_event("first_chunk", {"scheduler": replica.address})
+                            streamed = True
+                            sent.forward(chunk, rid)
+                            yield chunk
+                            if chunk.finish_reason:  # a connection lost after it loses nothing
+                                return
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if not await replica.dropped(e):
+                        raise from_grpc(e.code(), e.details() or "") from e
+                    if streamed and sent.can_move(self.config.migration_limit):
+                        metrics.MIGRATIONS.inc()
+                        req = sent.move(first, rid, "g")
+                    elif not streamed and not retried:
+                        retried = True
+                    else:
+                        why = (
+                            f"the scheduler at {replica.address} went away after "
+                            f"{len(sent.token_ids)} tokens of this request ({e.details()}); "
+                            "retry it"
+                        )
+                        raise OpenAIError(
+                            503, why, "service_unavailable", code="scheduler_unavailable"
+                        ) from e
+                    log.info(
+                        "scheduler_connection_lost",
+                        request_id=rid,
+                        scheduler=replica.address,
+                        generated=len(sent.token_ids),
+                        migration=sent.moves,
+                    )
+                    span.add_event("scheduler_lost", {"scheduler": replica.address})
+                    dropped = replica.address
+                finally:
+                    call.cancel()  # a no-op once the stream has ended
+                    span.set_attributes(
+                        {"output_tokens": len(sent.token_ids), "migrations": sent.moves}
+                    )
 
     async def ready(self) -> tuple[bool, str]:
         """Ready when a scheduler answers and sees an aggregated worker, or a prefill and a

@@ -17,10 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ferry.gateway import metrics
-from ferry.gateway.backend import Backend
+from ferry.gateway.backend import Backend, request_span
 from ferry.gateway.errors import OpenAIError, http_status
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
-from ferry.services.common import tls
+from ferry.services.common import tls, tracing
 from ferry.services.common.channels import ACCEPT_PINGS
 from ferry.services.common.listeners import NO_PORT_SHARING, add_port
 
@@ -55,12 +55,17 @@ class FerryServicer(ferry_pb2_grpc.FerryServicer):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both"
                 )
+            generated = 0
             try:
                 ids = self.backend.encode_prompt(request.prompt or list(request.prompt_token_ids))
-                async for chunk in self.backend.generate(
-                    ids, request.sampling_params, request.request_id
-                ):
-                    yield chunk
+                model = self.backend.config.model_name
+                parent = tracing.incoming(context)
+                with request_span("grpc", parent, model, len(ids), lambda: generated) as span:
+                    async for chunk in self.backend.generate(
+                        ids, request.sampling_params, request.request_id, span
+                    ):
+                        generated += len(chunk.token_ids)
+                        yield chunk
             except OpenAIError as e:
                 await context.abort(e.grpc_code, e.message)
 

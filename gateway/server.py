@@ -3,6 +3,8 @@ SIGTERM / SIGINT stop both gracefully: uvicorn finishes its requests, then gRPC 
 
 from __future__ import annotations
 
+import signal
+
 import uvicorn
 
 from ferry.gateway.app import create_app
@@ -53,13 +55,23 @@ async def serve(config: GatewayConfig, log_level: str = "info") -> None:
         model=config.model_name,
         schedulers=",".join(config.schedulers),
     )
+    # uvicorn raises the SIGTERM / SIGINT it stopped on again once it has stopped: under the
+    # default handlers that ends the process at once, before the gRPC API's grace below and
+    # before `ferry serve` flushes its traces; under these it goes on to them
+    previous = {sig: signal.signal(sig, _taken) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         await http.serve([sock])  # returns on SIGTERM / SIGINT (uvicorn's handlers)
     finally:
+        for sig, handler in previous.items():  # a second signal now stops it outright
+            signal.signal(sig, handler)
         if grpc_server is not None:
             await grpc_server.stop(GRACE_S)
         await backend.close()
     log.info("stopped")
+
+
+def _taken(sig: int, frame: object) -> None:
+    """The signal uvicorn raises again after its own handler has stopped it: already acted on."""
 
 
 def main(config: GatewayConfig, log_level: str = "info") -> int:

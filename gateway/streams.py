@@ -11,8 +11,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
 from ferry.gateway import metrics
-from ferry.gateway.backend import Backend, for_choice
+from ferry.gateway.backend import Backend, for_choice, request_span
 from ferry.protos import common_pb2
 
 
@@ -70,17 +73,21 @@ async def merged(
     choices: list[Choice],
     params: common_pb2.SamplingParams,
     n: int,
+    parent: Context | None = None,
 ) -> AsyncIterator[tuple[int, common_pb2.TokenChunk]]:
     """Every choice's chunks as they arrive. The first error of any choice ends the whole
-    request (the others are cancelled); leaving the iterator early cancels them all."""
+    request (the others are cancelled); leaving the iterator early cancels them all. The
+    request's span is a child of ``parent`` (a client's traceparent)."""
     started = time.perf_counter()
     rid = uuid.uuid4().hex
     queue: asyncio.Queue[tuple[int, common_pb2.TokenChunk | BaseException | None]] = asyncio.Queue()
+    num_prompt = sum(len(p) for p in prompts)
+    generated = 0
 
-    async def pump(c: Choice) -> None:
+    async def pump(c: Choice, span: Span) -> None:
         try:
             stream = backend.generate(
-                prompts[c.prompt], for_choice(params, c.index % n), f"{rid}-{c.index}"
+                prompts[c.prompt], for_choice(params, c.index % n), f"{rid}-{c.index}", span
             )
             async for chunk in stream:
                 await queue.put((c.index, chunk))
@@ -88,31 +95,34 @@ async def merged(
         except Exception as e:  # any failure of one choice is handed to the reader
             await queue.put((c.index, e))
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    n_streams = len(choices)
-    last = [0.0] * n_streams
-    running = n_streams
-    try:
-        while running:
-            i, item = await queue.get()
-            if item is None:
-                running -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            now = time.perf_counter()
-            if last[i] == 0.0:
-                metrics.TTFT.observe(now - started)
-            elif item.token_ids:
-                metrics.ITL.observe((now - last[i]) / len(item.token_ids))
-            last[i] = now
-            metrics.COMPLETION_TOKENS.inc(len(item.token_ids))
-            yield i, item
-        metrics.E2E.observe(time.perf_counter() - started)
-        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+    model = backend.config.model_name
+    with request_span("rest", parent, model, num_prompt, lambda: generated) as span:
+        tasks = [asyncio.create_task(pump(c, span)) for c in choices]
+        n_streams = len(choices)
+        last = [0.0] * n_streams
+        running = n_streams
+        try:
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                now = time.perf_counter()
+                if last[i] == 0.0:
+                    metrics.TTFT.observe(now - started)
+                elif item.token_ids:
+                    metrics.ITL.observe((now - last[i]) / len(item.token_ids))
+                last[i] = now
+                generated += len(item.token_ids)
+                metrics.COMPLETION_TOKENS.inc(len(item.token_ids))
+                yield i, item
+            metrics.E2E.observe(time.perf_counter() - started)
+            metrics.PROMPT_TOKENS.inc(num_prompt)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t

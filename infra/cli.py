@@ -39,7 +39,7 @@ def _export_preset(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ferry.services.common import channels, server, tls
+    from ferry.services.common import channels, server, tls, tracing
     from ferry.services.common.log import configure_logging
 
     try:  # flags that no service could run with: a usage error, before anything starts
@@ -48,16 +48,25 @@ def _serve(args: argparse.Namespace) -> int:
         config = _role_config(args)
         for what, port, flag in _ports(args.role, config):
             check_free(args.host, port, what, flag)
-    except (ValueError, PortInUse) as e:
+        instance = (
+            f"gateway-{config.port}"
+            if isinstance(config, GatewayConfig)
+            else config.service.name_for(args.role)
+        )
+        tracing.configure(args.role, instance, args.otlp_endpoint, args.trace_file)
+    except (ValueError, PortInUse, OSError) as e:
         print(f"ferry serve {args.role}: {e}", file=sys.stderr)
         return USAGE_ERROR
-    if isinstance(config, GatewayConfig):
-        from ferry.gateway.server import main as serve_gateway
+    try:
+        if isinstance(config, GatewayConfig):
+            from ferry.gateway.server import main as serve_gateway
 
-        return serve_gateway(config, args.log_level)
-    cfg = config.service
-    configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
-    return server.main(cfg, _service(args.role, config))
+            return serve_gateway(config, args.log_level)
+        cfg = config.service
+        configure_logging(args.role, cfg.name_for(args.role), cfg.log_level)
+        return server.main(cfg, _service(args.role, config))
+    finally:
+        tracing.shutdown()  # exports what is buffered: after a SIGTERM's graceful stop too
 
 
 def _ports(
@@ -138,8 +147,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if args.tls and certs.on:
         raise ValueError("--tls makes its own certificates: give it or --tls-cert/-key/-ca")
     ServiceConfig(ttl_s=args.heartbeat_ttl)
-    keepalive = ["--keepalive", str(args.keepalive)]
-    beats = [*keepalive, "--heartbeat-ttl", str(args.heartbeat_ttl)]  # every registered service's
+    every = ["--keepalive", str(args.keepalive), *_trace_flags(args)]  # every child's
+    beats = [*every, "--heartbeat-ttl", str(args.heartbeat_ttl)]  # every registered service's
     worker = [
         *beats,
         "--model",
@@ -162,7 +171,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
             *("--migration-limit", str(args.migration_limit)),
             *("--reasoning-parser", args.reasoning_parser),
             *("--tool-call-parser", args.tool_call_parser),
-            *keepalive,
+            *every,
         ],
         "scheduler": [
             *("--routing-policy", args.routing_policy),
@@ -194,6 +203,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         decode_dep=args.decode_dep,
         schedulers=args.schedulers,
         host=args.host,
+        hosts=args.hosts,
         scheduler_port=args.scheduler_port,
         gateway=not args.no_gateway,
         gateway_port=args.port,
@@ -212,6 +222,15 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         tls=certs,
         throwaway_tls=args.tls,
     )
+
+
+def _trace_flags(args: argparse.Namespace) -> list[str]:
+    """Every child sends its spans to --otlp-endpoint, and writes them to a file of its own in
+    --trace-file's directory, named after it (its worker id; the gateway's: gateway-PORT)."""
+    out = ["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []
+    if args.trace_file:
+        out += ["--trace-file", os.path.join(os.path.abspath(args.trace_file), "")]
+    return out
 
 
 def _sharing(role: str, args: argparse.Namespace) -> list[str]:
@@ -305,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(up, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
     flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
     flags.add(up, "--host", "127.0.0.1", "address every service binds")
+    flags.add(
+        up,
+        "--hosts",
+        0,
+        "run as N hosts: network namespaces on a bridge, redis on the first, the gateway and "
+        "scheduler on the second, workers over the rest (root; 0: all on --host)",
+    )
     flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: any free port)")
     flags.add_switch(up, "--no-gateway", "start no gateway (clients call the scheduler)")
     flags.add_key_flags(up, "the gateway requires `Authorization: Bearer KEY`")
@@ -333,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flags.add(up, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
     flags.add(up, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
+    flags.add_tracing_flags(up, "a directory: every service appends its spans to NAME.jsonl in it")
     flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
     for role in WORKER_ROLES:
         flags.add(up, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")

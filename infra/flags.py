@@ -62,6 +62,7 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
     )
     _add_keepalive(p)
     add_tls_flags(p)
+    add_tracing_flags(p)
     add(p, "--log-level", d.log_level, "log level", choices=["debug", "info", "warning", "error"])
 
 
@@ -80,6 +81,19 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--tls-cert", "", "PEM certificate this process shows its peers (and HTTPS clients)")
     add(p, "--tls-key", "", "PEM private key of --tls-cert")
     add(p, "--tls-ca", "", "PEM CA that signs every peer's certificate")
+
+
+def add_tracing_flags(p: argparse.ArgumentParser, trace_file: str = "") -> None:
+    """OpenTelemetry spans of the requests (services/common/tracing.py); neither: none."""
+    add(p, "--otlp-endpoint", "", "send trace spans to this OTLP/gRPC collector (HOST:PORT)")
+    add(
+        p,
+        "--trace-file",
+        "",
+        trace_file
+        or "append trace spans as JSON lines to this file (a directory, or a path ending in /: "
+        "WORKER-ID.jsonl in it)",
+    )
 
 
 def tls_files(args: argparse.Namespace) -> TlsFiles:
@@ -217,6 +231,7 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--max-body-bytes", d.max_body_bytes, "larger request bodies are refused (413)")
     _add_keepalive(p)
     add_tls_flags(p)
+    add_tracing_flags(p)
     add(p, "--log-level", "info", "log level", choices=["debug", "info", "warning", "error"])
 
 

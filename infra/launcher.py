@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ferry.infra import netns
 from ferry.infra.children import popen_dying_with_parent
 from ferry.infra.ports import free_port, listens, reserve
 from ferry.infra.redis_server import redis_answers, redis_command, start_redis
@@ -80,6 +81,7 @@ class ClusterSpec:
     aggregated: int = 0  # workers that prefill and decode in one engine
     schedulers: int = 1  # replicas; the gateway spreads requests over them
     host: str = "127.0.0.1"
+    hosts: int = 0  # > 0: run on this many network-namespace hosts (infra/netns.py)
     scheduler_port: int = 50052  # the first scheduler's; 0: any free port (others: any)
     gateway: bool = True  # the OpenAI REST API and the public gRPC API (False: none)
     gateway_port: int = 8000  # the OpenAI REST API; 0: any free port
@@ -94,6 +96,56 @@ class ClusterSpec:
     serve_env: dict[str, dict[str, str]] = field(default_factory=dict)
     tls: TlsFiles = field(default_factory=TlsFiles)  # every child's --tls-*, and ours
     throwaway_tls: bool = False  # --tls: make a CA and certificates for this run (tls above)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a child runs: the address it binds, and what runs it there."""
+
+    address: str
+    prefix: tuple[str, ...] = ()  # e.g. ip netns exec NS
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Placement:
+    """``ferry up --hosts N``: redis on host 0, the control plane (gateway, schedulers, EPLB
+    controller) on host 1, the workers (each DEP rank too) one after another over the rest; with
+    fewer hosts than that, the later roles share the last one. Ports are picked per host from
+    ``FIRST_PORT`` up, past the ``fixed`` ones: a host is a fresh namespace, nothing else binds
+    there."""
+
+    FIRST_PORT = 40000
+
+    def __init__(self, count: int, fixed: tuple[int, ...] = ()) -> None:
+        self.hosts = netns.Hosts(count)
+        self.fixed = set(fixed)
+        self._next_port: dict[str, int] = {}
+        self._workers = 0
+
+    def next(self, role: str) -> Where:
+        n = self.hosts.count
+        if role == "redis":
+            i = 0
+        elif role in WORKER_ROLES:
+            first = min(2, n - 1)
+            i = first + self._workers % (n - first)
+            self._workers += 1
+        else:
+            i = min(1, n - 1)
+        host = self.hosts[i]
+        return Where(host.address, tuple(host.exec_prefix()), dict(netns.HOST_ENV))
+
+    def port(self, address: str) -> int:
+        port = self._next_port.get(address, self.FIRST_PORT)
+        while port in self.fixed:
+            port += 1
+        self._next_port[address] = port + 1
+        return port
+
+    def describe(self) -> str:
+        return ", ".join(f"{h.name} {h.address} ({h.netns})" for h in self.hosts) + (
+            f"; this one {self.hosts.root_address}"
+        )
 
 
 class StartupFailed(RuntimeError):
@@ -122,6 +174,8 @@ class Launcher:
                 grpc_port=spec.grpc_port or free_port(spec.host),
             )
         self.spec = spec
+        fixed = (spec.scheduler_port, spec.gateway_port, spec.grpc_port)
+        self.net = Placement(spec.hosts, fixed) if spec.hosts else None
         # its fixed ports are bound late (the gateway's once the workers serve): no child may
         # be given one meanwhile
         reserve(spec.scheduler_port, spec.gateway_port, spec.grpc_port)
@@ -136,33 +190,27 @@ class Launcher:
         if s.gateway:
             fixed += [("the gateway", s.gateway_port, "--port")]
             fixed += [("the gateway's gRPC API", s.grpc_port, "--grpc-port")]
-        for what, port, flag in fixed:  # taken: say so before starting anything
-            check_free(s.host, port, what, flag)
+        if self.net:  # fresh hosts: nothing holds a port on them yet
+            self.net.hosts.up()
+            self._say(f"hosts: {self.net.describe()}")
+        else:
+            for what, port, flag in fixed:  # taken: say so before starting anything
+                check_free(s.host, port, what, flag)
         if not self.redis_url:  # a private one, supervised like the services
-            port = free_port(s.host)
-            self._add(
-                Child(
-                    "redis",
-                    "redis",
-                    f"{s.host}:{port}",
-                    0,
-                    start_redis(port, s.host),
-                    redis_command(port, s.host),
-                    "redis",
-                )
-            )
-            self.redis_url = f"redis://{s.host}:{port}/0"
+            self._start_redis()
         for role, count, dep in (
             ("prefill", s.prefill, s.prefill_dep),
             ("decode", s.decode, s.decode_dep),
             ("aggregated", s.aggregated, 1),
         ):
             if dep > 1:  # one DEP group of `dep` ranks, besides `count` independent workers
-                master = f"{s.host}:{free_port(s.host)}"
-                for r in range(dep):
+                ranks = [self._where(role) for _ in range(dep)]
+                master = f"{ranks[0].address}:{self._port(ranks[0].address)}"
+                for r, place in enumerate(ranks):
                     self._spawn(
                         role,
                         f"{role}-r{r}",
+                        place=place,
                         unit=f"{role}-dep",
                         extra=[
                             "--dep-size",
@@ -183,20 +231,48 @@ class Launcher:
         self._wait_healthy()
         if s.gateway:
             self._spawn_gateway()
-            self._say(f"gateway is up ({tls.http_scheme()}://{s.host}:{s.gateway_port})")
+            gateway = self._by_role("gateway")[0]
+            self._say(f"gateway is up ({tls.http_scheme()}://{gateway.address})")
+
+    def _start_redis(self) -> None:
+        place = self._where("redis")
+        port = self._port(place.address)
+        cmd = [*place.prefix, *redis_command(port, place.address)]
+        proc = start_redis(port, place.address, cmd=cmd)
+        address = f"{place.address}:{port}"
+        self._add(Child("redis", "redis", address, 0, proc, cmd, "redis"))
+        self.redis_url = f"redis://{address}/0"
+
+    def _where(self, role: str) -> Where:
+        """The host a new child of ``role`` runs on: this one, or the next of --hosts'."""
+        return self.net.next(role) if self.net else Where(self.spec.host)
+
+    def _port(self, address: str) -> int:
+        return self.net.port(address) if self.net else free_port(address)
+
+    def _by_role(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
 
     def _spawn(
-        self, role: str, name: str, port: int = 0, unit: str = "", extra: list[str] | None = None
+        self,
+        role: str,
+        name: str,
+        port: int = 0,
+        unit: str = "",
+        extra: list[str] | None = None,
+        place: Where | None = None,
     ) -> None:
-        port = port or free_port(self.spec.host)
-        metrics_port = free_port(self.spec.host)
+        place = place or self._where(role)
+        port = port or self._port(place.address)
+        metrics_port = self._port(place.address)
         cmd = [
+            *place.prefix,
             *SERVE,
             role,
             "--worker-id",
             name,
             "--host",
-            self.spec.host,
+            place.address,
             "--port",
             str(port),
             "--metrics-port",
@@ -209,10 +285,10 @@ class Launcher:
             *self.spec.serve_args.get(role, []),
             *(extra or []),
         ]
+        env = {**self.spec.serve_env.get(role, {}), **place.env} or None
+        address = f"{place.address}:{port}"
         self._add(
-            Child(
-                name, role, f"{self.spec.host}:{port}", metrics_port, _popen(cmd), cmd, unit or name
-            )
+            Child(name, role, address, metrics_port, _popen(cmd, env=env), cmd, unit or name, env)
         )
 
     def _add(self, child: Child) -> None:
@@ -223,11 +299,13 @@ class Launcher:
     def _spawn_gateway(self) -> None:
         s = self.spec
         schedulers = ",".join(c.address for c in self.children if c.role == "scheduler")
+        place = self._where("gateway")
         cmd = [
+            *place.prefix,
             *SERVE,
             "gateway",
             "--host",
-            s.host,
+            place.address,
             "--port",
             str(s.gateway_port),
             "--grpc-port",
@@ -237,9 +315,9 @@ class Launcher:
             *s.tls.flags(),
             *s.serve_args.get("gateway", []),
         ]
-        env = s.serve_env.get("gateway")
+        env = {**s.serve_env.get("gateway", {}), **place.env} or None
         proc = _popen(cmd, env=env)
-        address = f"{s.host}:{s.gateway_port}"
+        address = f"{place.address}:{s.gateway_port}"
         child = Child("gateway", "gateway", address, s.gateway_port, proc, cmd, "gateway", env)
         self._add(child)
         url = f"{tls.http_scheme()}://{child.address}/health"
@@ -288,21 +366,23 @@ class Launcher:
     def describe(self) -> str:
         private = any(c.role == "redis" for c in self.children)
         lines = [f"  redis      {self.redis_url}" + ("  (private)" if private else "")]
+        if self.net:
+            lines.append(f"  hosts      {self.net.describe()}")
         if self.spec.tls.on:
             lines.append(
                 f"  tls        CA {self.spec.tls.ca} (its clients trust it; mutual inside)"
             )
         for c in (c for c in self.children if c.role != "redis"):
             if c.role == "gateway":
+                host = c.address.rsplit(":", 1)[0]
                 lines.append(
                     f"  {c.name:<12} {tls.http_scheme()}://{c.address}/v1  (OpenAI API; /health, "
-                    f"/metrics), grpc {self.spec.host}:{self.spec.grpc_port} "
-                    "(ferry.v1.Ferry)"
+                    f"/metrics), grpc {host}:{self.spec.grpc_port} (ferry.v1.Ferry)"
                 )
                 continue
             lines.append(
-                f"  {c.name:<12} grpc {c.address:<22} metrics http://{self.spec.host}:"
-                f"{c.metrics_port}/metrics"
+                f"  {c.name:<12} grpc {c.address:<22} metrics http://"
+                f"{c.address.rsplit(':', 1)[0]}:{c.metrics_port}/metrics"
             )
         return "\n".join(lines)
 
@@ -380,7 +460,8 @@ class Launcher:
     def _restart(self, unit: Unit, members: list[Child]) -> None:
         """Start ``members`` again on their ports; a DEP group on a new master."""
         if any("--dep-master" in c.cmd for c in members):
-            master = f"{self.spec.host}:{free_port(self.spec.host)}"
+            host = members[0].address.rsplit(":", 1)[0]  # rank 0's
+            master = f"{host}:{self._port(host)}"
             for c in members:
                 c.cmd = _with_flag(c.cmd, "--dep-master", master)
         for c in members:
@@ -428,6 +509,8 @@ class Launcher:
         for group in (["gateway"], ["scheduler", "eplb"], WORKER_ROLES, ["redis"]):
             procs = [c.proc for c in self.children if c.role in group and c.proc.poll() is None]
             _terminate(procs, grace_s)
+        if self.net:
+            self.net.hosts.down()
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:

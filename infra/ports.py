@@ -43,9 +43,10 @@ def _bindable(host: str, port: int) -> bool:
 def listens(pid: int, port: int) -> bool:
     """Whether process ``pid`` holds a listening TCP socket on ``port``: the process answering
     there is that one, not another that took the port. True where /proc cannot tell."""
-    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
-    if not tables[0].exists():
+    if not Path("/proc/net/tcp").exists():
         return True
+    # its own network namespace's tables (``ferry up --hosts`` runs children in others)
+    tables = [Path(f"/proc/{pid}/net/tcp"), Path(f"/proc/{pid}/net/tcp6")]
     inodes = set()
     for table in tables:
         with contextlib.suppress(OSError):

@@ -49,10 +49,11 @@ def redis_answers(host: str, port: int, timeout: float = 0.5) -> bool:
 
 
 def start_redis(
-    port: int, host: str = "127.0.0.1", timeout: float = 10.0
+    port: int, host: str = "127.0.0.1", timeout: float = 10.0, cmd: list[str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """Start ``redis-server`` (no persistence) and wait until it answers PING."""
-    cmd = redis_command(port, host)
+    """Start ``redis-server`` (no persistence; ``cmd``: redis_command's, run another way) and
+    wait until it answers PING."""
+    cmd = cmd or redis_command(port, host)
     proc = popen_dying_with_parent(cmd, stdout=subprocess.DEVNULL)
     client = redis.Redis(host=host, port=port, socket_connect_timeout=0.5)
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import grpc
 
@@ -152,10 +152,21 @@ class Cluster:
         """The sum of the samples of ``worker_id``'s /metrics whose line starts with ``sample``
         (a name, or a name and the start of its labels)."""
         (view,) = [v for v in self.views() if v.record.worker_id == worker_id]
-        url = f"http://127.0.0.1:{view.record.metrics_port}/metrics"
+        host = view.record.address.rsplit(":", 1)[0]
+        url = f"http://{host}:{view.record.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
             lines = reply.read().decode().splitlines()
         return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(sample))
+
+    def streaming_decode_worker(self, since: float) -> str:
+        """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            for v in self.views("decode"):
+                if v.load and v.load.running and v.load.updated_at > since:
+                    return v.record.worker_id
+            time.sleep(0.05)
+        raise AssertionError("no decode worker reported a running request")
 
     def all_blocks_free(self) -> bool:
         """Every worker's load report says no KV block (free or cached only) and no state slot
@@ -214,13 +225,16 @@ def ferry_up(
         tls_ca = ""
         if "--tls" in args:  # then "  tls        CA PATH (...)"
             tls_ca = proc.stdout.readline().split()[2]
+        host = "127.0.0.1"
+        if "--hosts" in args:  # then the hosts, then a line per service: the control host's
+            host = _control_host(proc.stdout)
         c = Cluster(
             proc,
             redis_url,
-            f"127.0.0.1:{port}",
+            f"{host}:{port}",
             cluster,
-            f"{'https' if tls_ca else 'http'}://127.0.0.1:{http}",
-            f"127.0.0.1:{public}",
+            f"{'https' if tls_ca else 'http'}://{host}:{http}",
+            f"{host}:{public}",
             log=log,
             tls_ca=tls_ca,
         )
@@ -236,6 +250,15 @@ def ferry_up(
                 proc.wait()
         sys.stderr.write(log.read_text(errors="replace"))  # pytest shows it on a failure
         log.unlink()
+
+
+def _control_host(endpoints: IO[str]) -> str:
+    """The scheduler's host, from `ferry up --hosts`'s list of endpoints."""
+    while line := endpoints.readline():
+        name, *rest = line.split()
+        if name == "scheduler-0":
+            return rest[1].rsplit(":", 1)[0]  # "scheduler-0  grpc HOST:PORT  metrics ..."
+    raise AssertionError("ferry up did not list scheduler-0")
 
 
 def greedy(max_tokens: int, **kw: object) -> common_pb2.SamplingParams:

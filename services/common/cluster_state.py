@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ferry.services.common import tasks
 from ferry.services.common.log import get_logger
 
 log = get_logger(__name__)
@@ -255,11 +256,8 @@ class ClusterState:
     async def deregister(self) -> None:
         """Stop the heartbeat and delete the keys at once (Redis errors are ignored)."""
         record, self._record = self._record, None  # the heartbeat writes nothing more
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat  # a write in flight lands before the delete below
-            self._beat = None
+        await tasks.stop(self._beat)  # a write in flight lands before the delete below
+        self._beat = None
         if record is not None:
             wid = record.worker_id
             with contextlib.suppress(*REDIS_DOWN):

@@ -9,12 +9,14 @@ TokenChunk. The aggregated worker (``aggregated.py``) serves the same API.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span
 
 from ferry.protos import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc
-from ferry.services.common import convert
+from ferry.services.common import convert, tracing
 from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ from ferry.services.kv_transfer.transport import KvTransport, create_transport
 from ferry.services.worker import convert as worker_convert
 from ferry.services.worker.config import WorkerConfig
 from ferry.services.worker.engine_worker import EngineWorker, transfer_status
+from ferry.services.worker.trace_spans import prefill_spans
 
 log = get_logger(__name__)
 
@@ -81,15 +84,26 @@ class DecodeWorker(EngineWorker):
             )
         return None
 
-    async def pull(self, handle: KvHandle, context: grpc.aio.ServicerContext) -> str:
+    async def pull(self, handle: KvHandle, context: grpc.aio.ServicerContext, parent: Span) -> str:
         """Pull the handle's blocks into a hold; returns the hold's key."""
         importer = self.importer(handle.transport)
-        try:
-            await importer.pull(handle)
-        except TransferError as e:
-            context.set_trailing_metadata(((KV_ERROR_KEY, e.reason),))
-            metrics.FAILED_PULLS.labels(e.reason).inc()
-            await abort_with(context, transfer_status(e), str(e))
+        with tracing.span(
+            "kv_transfer",
+            parent,
+            transport=handle.transport,
+            blocks=handle.num_blocks,
+            bytes=handle.num_blocks * self.layout.block_bytes,
+            exporter=handle.worker_id,
+        ) as span:
+            started = time.perf_counter()
+            try:
+                await importer.pull(handle)
+            except TransferError as e:
+                span.set_attribute("error", e.reason)
+                context.set_trailing_metadata(((KV_ERROR_KEY, e.reason),))
+                metrics.FAILED_PULLS.labels(e.reason).inc()
+                await abort_with(context, transfer_status(e), str(e))
+            span.set_attribute("seconds", round(time.perf_counter() - started, 6))
         return importer.hold_key(handle)
 
 
@@ -118,7 +132,11 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         w = self.worker
         rid = request.request_id
-        with bind_request(rid):
+        parent = tracing.incoming(context)
+        with (
+            bind_request(rid),
+            tracing.span(w.role, parent, request_id=rid, worker=w.worker_id) as span,
+        ):
             try:
                 ids, params, handle, resumed = _parse(request, w.prefills)
                 w.engine.validate(ids, params)
@@ -131,20 +149,26 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
             key = ""
             w._active.add(rid)
+            steps = tracing.Steps.of(span)
             try:
                 imported = None
                 if handle is not None:
-                    key = await w.pull(handle, context)
+                    key = await w.pull(handle, context, span)
                     imported = ImportedKv(
                         key,
                         request.first_token_id,
                         worker_convert.logprobs_from_pb(request.first_logprobs),
                         request.num_cached_tokens,
                     )
+                submitted_ns = time.time_ns()
                 async for outs in w.engine.stream(
                     ids, params, rid, imported=imported, resumed=resumed
                 ):
                     metrics.COALESCED.observe(len(outs))
+                    if steps is not None:
+                        if not steps.count and imported is None:  # it was prefilled here
+                            prefill_spans(span, submitted_ns, outs[0])
+                        steps.add(len(outs), sum(len(o.delta_token_ids) for o in outs))
                     yield worker_convert.chunk_from_outputs(outs)
             except (ValueError, KeyError) as e:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -154,6 +178,8 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 w._active.discard(rid)
                 if key:  # a no-op once the engine adopted the blocks
                     w.engine.kv_holds.release_hold(key)
+                if steps is not None:
+                    steps.close()
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

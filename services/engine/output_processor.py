@@ -85,4 +85,5 @@ def make_output(
         prompt_logprobs=req.prompt_logprobs,
         kv_hold=kv_hold,
         kv_block_ids=req.block_ids + req.state_block_ids if kv_hold else [],
+        admitted_ns=req.admitted_ns,
     )

@@ -33,6 +33,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted_ns: int = 0  # time.time_ns() of its first admission (0: it came with its KV)
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # its row of the cache's state rings, while it runs
     restore_snapshot: int | None = None  # a prefix hit's state, copied in before its next step
@@ -103,6 +104,7 @@ class RequestOutput:
     # The KV exporter turns the hold into a lease.
     kv_hold: str | None = None
     kv_block_ids: list[int] = field(default_factory=list)
+    admitted_ns: int = 0  # Request.admitted_ns: a trace splits its queue wait from its prefill
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from ferry.services.engine.kv_cache import KVCacheManager
@@ -113,6 +114,7 @@ class StepPlanner:
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0 and not req.output_token_ids:
                 req.num_cached_tokens = num_cached
+                req.admitted_ns = time.time_ns()  # one clock read per request, for its trace
             req.status = Status.RUNNING
             self.running.append(req)
             plan.requests.append(req)

@@ -152,9 +152,9 @@ class KvTransport(ABC):
     async def close(self) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Stop serving and drop pooled connections."""
 
-    async def probe(self, timeout: float) -> str | None:
-        """None if this process can still open a new connection over this transport, else what
-        went wrong. Only UCX can lose that ability for good (see ucx.UCX_DEFAULTS); the other
+    async def probe(self, timeout: float, host: str = "127.0.0.1") -> str | None:
+        """None if this process can still open a new connection over this transport (to itself,
+        at ``host``: an address of its own that its peers reach), else what went wrong. Only UCX can lose that ability for good (see ucx.UCX_DEFAULTS); the other
         transports have nothing to check."""
         return None
 

@@ -279,10 +279,11 @@ class UcxTransport(KvTransport):
         else:
             await _send_planned(exporter, ep, src, plan)
 
-    async def probe(self, timeout: float) -> str | None:
+    async def probe(self, timeout: float, host: str = "127.0.0.1") -> str | None:
         """Connect to a listener of this process's own: a UCX worker wedged by a peer's death
         (see UCX_DEFAULTS) cannot complete even that handshake, while a healthy one does in a
-        few ms. It tells "this process cannot connect" from "that peer does not answer"."""
+        few ms. It tells "this process cannot connect" from "that peer does not answer". (At
+        ``host``: UCX may be held to the interfaces that reach the peers, UCX_NET_DEVICES.)"""
         ucxx = _ucxx()
         reached = asyncio.Event()
 
@@ -292,7 +293,7 @@ class UcxTransport(KvTransport):
         listener, ep = None, None
         try:
             listener = ucxx.create_listener(handler)
-            ep = await asyncio.wait_for(ucxx.create_endpoint("127.0.0.1", listener.port), timeout)
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, listener.port), timeout)
             await asyncio.wait_for(reached.wait(), timeout)
             return None
         except TimeoutError:
@@ -342,12 +343,23 @@ class UcxTransport(KvTransport):
     async def _call(
         self, handle: KvHandle, msg: dict[str, Any], sink: KvSink | None = None
     ) -> dict[str, Any]:
-        """One request/response on a pooled endpoint; a broken endpoint is dropped, not reused."""
+        """One request/response on a pooled endpoint; a broken endpoint is dropped, not reused.
+        The exporter answers within ``connect_timeout`` as a new peer must: a pooled endpoint to
+        a peer that stopped answering (stopped, or cut off by the network) fails as fast as a
+        new one would, rather than after the whole transfer's timeout."""
         ep = await self._connect(handle)
         healthy = False
         try:
-            await _send_json(ep, msg)
-            reply = await _recv_json(ep)
+            try:
+                await asyncio.wait_for(_send_json(ep, msg), self.connect_timeout)
+                reply = await asyncio.wait_for(_recv_json(ep), self.connect_timeout)
+            except TimeoutError:
+                peer = f"{handle.worker_id} at {handle.host}:{handle.port}"
+                raise TransferError(
+                    "timeout",
+                    f"transfer {handle.transfer_id}: {peer} did not answer within "
+                    f"{self.connect_timeout:.1f}s",
+                ) from None
             if sink is not None and reply.get("ok"):
                 if reply["nbytes"] != sink.nbytes:
                     raise TransferError(

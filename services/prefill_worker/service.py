@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 
 import grpc
+from opentelemetry.trace import Span
 
 from ferry.protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
-from ferry.services.common import convert
+from ferry.services.common import convert, tracing
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.server import abort_with
 from ferry.services.engine.async_engine import EngineDeadError
@@ -26,6 +28,7 @@ from ferry.services.prefill_worker import metrics
 from ferry.services.worker import convert as worker_convert
 from ferry.services.worker.config import WorkerConfig
 from ferry.services.worker.engine_worker import EngineWorker
+from ferry.services.worker.trace_spans import prefill_spans
 
 log = get_logger(__name__)
 
@@ -76,12 +79,14 @@ class PrefillWorker(EngineWorker):
         ids: list[int],
         request: prefill_worker_pb2.PrefillRequest,
         context: grpc.aio.ServicerContext,
+        span: Span,
     ) -> prefill_worker_pb2.PrefillResult:
         try:
             params = convert.sampling_params_from_pb(request.sampling_params)
             resumed = worker_convert.resumed_of(request)
             out: RequestOutput | None = None
             self._active.add(rid)
+            submitted_ns = time.time_ns()
             async for o in self.engine.generate(ids, params, rid, hand_off=True, resumed=resumed):
                 out = o
         except ValueError as e:
@@ -91,6 +96,8 @@ class PrefillWorker(EngineWorker):
         finally:
             self._active.discard(rid)
         assert out is not None and out.finished
+        prefill_spans(span, submitted_ns, out)
+        span.set_attribute("cached_tokens", out.num_cached_tokens)
         result = prefill_worker_pb2.PrefillResult(
             request_id=rid, first=worker_convert.chunk_from_outputs([out])
         )
@@ -121,14 +128,26 @@ class _Servicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         self, request: prefill_worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_worker_pb2.PrefillResult:
         rid = request.request_id or uuid.uuid4().hex
-        with bind_request(rid):
-            ids = list(request.prompt_token_ids)
-            return await self.worker.prefill(rid, ids, request, context)
+        ids = list(request.prompt_token_ids)
+        with (
+            bind_request(rid),
+            tracing.span(
+                "prefill",
+                tracing.incoming(context),
+                request_id=rid,
+                worker=self.worker.worker_id,
+                prompt_tokens=len(ids),
+            ) as span,
+        ):
+            return await self.worker.prefill(rid, ids, request, context, span)
 
     async def Release(
         self, request: prefill_worker_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_worker_pb2.ReleaseReply:
-        released = self.worker.exporter.leases.release(request.transfer_id)
+        parent = tracing.incoming(context)
+        with tracing.span("release", parent, transfer_id=request.transfer_id) as span:
+            released = self.worker.exporter.leases.release(request.transfer_id)
+            span.set_attribute("released", released)
         return prefill_worker_pb2.ReleaseReply(released=released)
 
     async def Abort(

@@ -41,6 +41,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from ferry.protos import (
     common_pb2,
@@ -51,7 +53,7 @@ from ferry.protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from ferry.services.common import convert
+from ferry.services.common import convert, tasks, tracing
 from ferry.services.common.channels import ChannelPool
 from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
 from ferry.services.common.convert import KV_ERROR_KEY
@@ -96,11 +98,12 @@ class Failure:
     details: str
     attempt: int = 0  # of the stage, from 0
     streamed: bool = False  # the call had streamed chunks when it failed
-    kv_error: bool = False  # a Decode whose KV pull failed on the exporter's side
+    kv_error: str = ""  # why a Decode's KV pull failed on the exporter's side ("": it did not)
 
     @classmethod
     def of(cls, stage: str, worker_id: str, e: grpc.aio.AioRpcError, **kw: object) -> Failure:
-        kv_error = any(k == KV_ERROR_KEY for k, _ in (e.trailing_metadata() or ()))
+        reasons = [str(v) for k, v in (e.trailing_metadata() or ()) if k == KV_ERROR_KEY]
+        kv_error = reasons[0] if reasons else ""
         return cls(stage, worker_id, e.code(), e.details() or "", kv_error=kv_error, **kw)  # type: ignore[arg-type]
 
     @property
@@ -129,7 +132,9 @@ def next_step(
         return Step.RETRY
     if f.stage == "aggregated" and retryable and can_fall_back:
         return Step.FALL_BACK
-    if can_move and f.code in MIGRATABLE:
+    # a lease that is gone (expired, or pulled by an earlier attempt that failed after it): only
+    # a new prefill brings the KV back
+    if can_move and (f.code in MIGRATABLE or f.kv_error == "not_found"):
         return Step.MIGRATE
     return Step.FAIL
 
@@ -183,10 +188,7 @@ class Scheduler(Service):
 
     async def close(self) -> None:
         for task in (self._refresher, self._follower):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await tasks.stop(task)
         await self._channels.close()
         await self.cluster.close()
 
@@ -195,10 +197,11 @@ class Scheduler(Service):
 
     # ---- one request ----------------------------------------------------------------------
     async def generate(
-        self, request: scheduler_pb2.GenerateRequest, rid: str
+        self, request: scheduler_pb2.GenerateRequest, rid: str, span: Span = trace.INVALID_SPAN
     ) -> AsyncIterator[common_pb2.TokenChunk]:
         """The request's chunks, under ``rid``; Failed (a status and message) when it cannot be
-        served. The loop over attempts is described in the module's docstring."""
+        served. The loop over attempts is described in the module's docstring; each attempt
+        is a child span of ``span``, each retry, fall-back and move an event of it."""
         route = await self._route_request(request, rid)
         started = time.perf_counter()
         sent = Streamed.after(request)
@@ -215,7 +218,9 @@ class Scheduler(Service):
                 elif stage == "prefill":
                     if not tried:
                         metrics.PATHS.labels("disaggregated").inc()
-                    prefilled = await self._prefill(cand, part, part_id, route, len(tried))
+                    prefilled = await self._prefill(
+                        cand, part, part_id, route, _Attempt(len(tried), sent.moves, span)
+                    )
                     if isinstance(prefilled, _Lease):
                         lease = prefilled
                         first = common_pb2.TokenChunk()
@@ -230,7 +235,7 @@ class Scheduler(Service):
                     failure = prefilled
                 else:
                     msg = self._decode_request(stage, part, part_id, lease)
-                    call = _Call(self, stage, cand, len(tried))
+                    call = _Call(self, stage, cand, _Attempt(len(tried), sent.moves, span))
                     async with contextlib.aclosing(call.chunks(msg, route)) as chunks:
                         async for chunk in chunks:
                             yield self._forward(chunk, rid, sent, request, started)
@@ -240,6 +245,7 @@ class Scheduler(Service):
                         return
                     failure = call.failure
                 step = self._after(failure, tried, sent)
+                span.add_event(step.value, {"stage": stage, "reason": failure.message})
                 if step is Step.RETRY:
                     tried[failure.worker_id] = failure
                     log.info(
@@ -254,7 +260,7 @@ class Scheduler(Service):
                     )
                     stage, tried = "prefill", {}
                 elif step is Step.MIGRATE:
-                    await self._release(lease)
+                    await self._release(lease, span)
                     lease = None
                     part = sent.move(request, rid, "m")
                     part_id = part.request_id
@@ -271,7 +277,8 @@ class Scheduler(Service):
                 else:
                     raise Failed(failure.code, failure.message)
         finally:  # a no-op once a decode worker pulled it; frees it when none did
-            await self._release(lease)
+            await self._release(lease, span)
+            span.set_attributes({"output_tokens": len(sent.token_ids), "migrations": sent.moves})
 
     def _after(self, failure: Failure, tried: dict[str, Failure], sent: Streamed) -> Step:
         if (
@@ -392,7 +399,7 @@ class Scheduler(Service):
         part: scheduler_pb2.GenerateRequest,
         part_id: str,
         route: RouteRequest,
-        attempt: int,
+        attempt: _Attempt,
     ) -> _Lease | Failure:
         """The prefill's first token and KV handle, or how the call failed."""
         msg = prefill_worker_pb2.PrefillRequest(
@@ -401,7 +408,20 @@ class Scheduler(Service):
             sampling_params=part.sampling_params,
             resumed=part.resumed if part.HasField("resumed") else None,
         )
-        call = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record)).Prefill(msg)
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
+        with attempt.span("prefill", cand.worker_id) as span:
+            call = stub.Prefill(msg, metadata=tracing.outgoing(span))
+            outcome = await self._prefilled(cand, call, route, attempt.number)
+            span.set_attribute("outcome", _outcome(outcome))
+            return outcome
+
+    async def _prefilled(
+        self,
+        cand: Candidate,
+        call: grpc.aio.UnaryUnaryCall,
+        route: RouteRequest,
+        attempt: int,
+    ) -> _Lease | Failure:
         with (
             self.view.routed(cand.worker_id, tokens=route.num_prompt_tokens),
             self._cut_if_gone(cand.record, call) as gone,
@@ -464,14 +484,15 @@ class Scheduler(Service):
             finally:
                 cutter.cancel()
 
-    async def _release(self, lease: _Lease | None) -> None:
+    async def _release(self, lease: _Lease | None, span: Span) -> None:
         """Free a prefill's KV that no decode worker pulled (a no-op once one has)."""
         if lease is None:
             return
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(lease.worker))
         req = prefill_worker_pb2.ReleaseRequest(transfer_id=lease.result.kv_handle.transfer_id)
+        call = stub.Release(req, timeout=2.0, metadata=tracing.outgoing(span))
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            await asyncio.shield(stub.Release(req, timeout=2.0))
+            await asyncio.shield(call)
 
     def status(self) -> scheduler_pb2.ClusterStatusReply:
         reply = scheduler_pb2.ClusterStatusReply(
@@ -482,11 +503,43 @@ class Scheduler(Service):
         return reply
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """Which attempt a worker call is: its number in its stage (from 0), the moves before it,
+    and the request's span, which its own span is a child of."""
+
+    number: int
+    migration: int
+    parent: Span
+
+    def span(self, stage: str, worker_id: str) -> contextlib.AbstractContextManager[Span]:
+        return tracing.span("attempt", self.parent, **self._attributes(stage, worker_id))
+
+    def start(self, stage: str, worker_id: str) -> Span:
+        """The attempt's span, open until the caller ends it (a stream's own finally)."""
+        return tracing.start("attempt", self.parent, **self._attributes(stage, worker_id))
+
+    def _attributes(self, stage: str, worker_id: str) -> dict[str, object]:
+        return {
+            "stage": stage,
+            "worker": worker_id,
+            "attempt": self.number,
+            "migration": self.migration,
+        }
+
+
+def _outcome(result: _Lease | Failure | None) -> str:
+    """An attempt's outcome in its span: ok, or the status it failed with."""
+    return result.code.name if isinstance(result, Failure) else "ok"
+
+
 class _Call:
     """One Decode stream from one worker: its chunks, then how it ended (``failure``: None when
     the stream finished)."""
 
-    def __init__(self, scheduler: Scheduler, stage: str, cand: Candidate, attempt: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, stage: str, cand: Candidate, attempt: _Attempt
+    ) -> None:
         self.scheduler = scheduler
         self.stage = stage
         self.cand = cand
@@ -496,8 +549,10 @@ class _Call:
     async def chunks(
         self, msg: decode_worker_pb2.DecodeRequest, route: RouteRequest
     ) -> AsyncGenerator[common_pb2.TokenChunk, None]:
-        s, cand, attempt = self.scheduler, self.cand, self.attempt
-        call = decode_worker_pb2_grpc.DecodeWorkerStub(s.channel(cand.record)).Decode(msg)
+        s, cand, attempt = self.scheduler, self.cand, self.attempt.number
+        span = self.attempt.start(self.stage, cand.worker_id)
+        stub = decode_worker_pb2_grpc.DecodeWorkerStub(s.channel(cand.record))
+        call = stub.Decode(msg, metadata=tracing.outgoing(span))
         # an aggregated worker computes the prompt too; either holds its blocks (+1 to grow)
         tokens = route.num_prompt_tokens if self.stage == "aggregated" else 0
         streamed = False
@@ -522,6 +577,8 @@ class _Call:
                     self.failure = _gone(self.stage, cand.worker_id, attempt, streamed)
         finally:
             call.cancel()  # a no-op when the stream has ended
+            span.set_attribute("outcome", _outcome(self.failure))
+            span.end()
 
 
 def _was_cut(gone: asyncio.Event) -> bool:
@@ -590,9 +647,17 @@ class _Servicer(scheduler_pb2_grpc.SchedulerServicer):
         s._active[rid] = task
         metrics.RUNNING.inc()
         outcome = "cancelled"
-        with bind_request(rid):
+        with (
+            bind_request(rid),
+            tracing.span(
+                "generate",
+                tracing.incoming(context),
+                request_id=rid,
+                prompt_tokens=len(request.prompt_token_ids),
+            ) as span,
+        ):
             try:
-                async for chunk in s.generate(request, rid):
+                async for chunk in s.generate(request, rid, span):
                     if chunk.finish_reason:  # served: a client that hangs up now loses nothing
                         outcome = "ok"
                     yield chunk
@@ -604,6 +669,7 @@ class _Servicer(scheduler_pb2_grpc.SchedulerServicer):
                 s._active.pop(rid, None)
                 metrics.RUNNING.dec()
                 metrics.REQUESTS.labels(outcome).inc()
+                span.set_attribute("outcome", outcome)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -187,7 +187,9 @@ class EngineWorker(Service):
         next_probe, failures = time.monotonic() + interval, 0
         while self.engine.error is None:
             if interval and time.monotonic() >= next_probe:
-                problems = [p for t in self.transports() if (p := await t.probe(PROBE_TIMEOUT_S))]
+                host = self.config.service.public_host
+                probes = [await t.probe(PROBE_TIMEOUT_S, host) for t in self.transports()]
+                problems = [p for p in probes if p]
                 failures = failures + 1 if problems else 0
                 if failures >= PROBE_FAILURES:
                     log.error("kv_transport_cannot_connect", problems=problems, hint=WEDGED_HINT)

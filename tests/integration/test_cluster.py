@@ -377,7 +377,12 @@ def test_a_second_scheduler_replica_serves_from_the_same_redis(cluster_a: Cluste
         assert all(r.code is None and len(r.token_ids) == 6 for r in results), results
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0
+        try:
+            code = proc.wait(20)
+        finally:
+            if proc.poll() is None:  # it did not stop: fail, and leave nothing behind
+                proc.kill()
+    assert code == 0
     assert "scheduler-1" not in names()
 
 
@@ -472,7 +477,7 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
                 text += chunk.text
                 finish = chunk.finish_reason
                 if not killed_after and len(tokens) >= 20:
-                    busy = await asyncio.to_thread(_streaming_decode_worker, cluster_a, sent_at)
+                    busy = await asyncio.to_thread(cluster_a.streaming_decode_worker, sent_at)
                     cluster_a.signal(busy, how)
                     if how is signal.SIGSTOP:
                         stopped.append(busy)
@@ -501,21 +506,6 @@ def test_a_request_whose_decode_worker_dies_or_hangs_mid_stream_moves_on(
         gone = [e for e in cluster_a.events("worker_gone") if e["worker_id"] == busy]
         assert gone and gone[-1]["pid"] == cluster_a.pids[busy], gone
         cluster_a.wait_for("blocks freed", cluster_a.all_blocks_free, 10)
-
-
-def _streaming_decode_worker(cluster: Cluster, since: float) -> str:
-    """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        busy = [
-            v.record.worker_id
-            for v in cluster.views("decode")
-            if v.load and v.load.running and v.load.updated_at > since
-        ]
-        if busy:
-            return busy[0]
-        time.sleep(0.05)
-    raise AssertionError("no decode worker reported a running request")
 
 
 def test_a_worker_whose_ucx_cannot_connect_leaves_and_is_restarted(cluster_a: Cluster) -> None:

@@ -449,6 +449,36 @@ def test_local_transport_roundtrip() -> None:
     assert len(asyncio.run(run())) == 3
 
 
+def test_a_pooled_ucx_endpoint_to_a_peer_that_stopped_answering_fails_fast() -> None:
+    """`make chaos`, a 60 s partition: pulls over endpoints pooled before it waited out the
+    whole transfer timeout (30 s) each, and a request moved three times overran its deadline.
+    The exporter's answer is bounded like a new handshake (connect_timeout)."""
+    with exporter_process("--transport", "ucx", "--sizes", "4,4") as (proc, handles, _):
+        imp = KvImporter(
+            UcxTransport(connect_timeout=2.0),
+            torch.zeros(LAYERS, BLOCKS, BS, DIM),
+            KVCacheManager(BLOCKS, BS),
+            LAYOUT,
+            transfer_timeout=30.0,
+        )
+
+        async def run() -> tuple[str, float]:
+            try:
+                await imp.pull(handles[0])  # its endpoint is pooled now
+                os.kill(proc.pid, signal.SIGSTOP)
+                started = time.monotonic()
+                with pytest.raises(TransferError) as info:
+                    await imp.pull(handles[1])
+                return info.value.reason, time.monotonic() - started
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+                await imp.transport.close()
+
+        reason, seconds = asyncio.run(run())
+    assert reason == "timeout" and seconds < 10.0  # not the transfer's 30 s
+    assert imp.kv.usage()["in_use"] == 4  # the first pull's blocks, held; the second's freed
+
+
 def test_a_ucx_handshake_that_never_completes_is_connect_timeout() -> None:
     """A port that accepts but never completes UCX's handshake fails after connect_timeout as
     `connect_timeout` (counted and logged), the reason a wedged UCX worker shows (see

@@ -177,7 +177,7 @@ def test_a_request_whose_decode_worker_is_killed_moves_on(cluster: Cluster, engi
             async for chunk in call:
                 tokens += chunk.token_ids
                 if not killed_after and len(tokens) >= 20:
-                    victim = await asyncio.to_thread(_streaming_decoder, cluster, sent_at)
+                    victim = await asyncio.to_thread(cluster.streaming_decode_worker, sent_at)
                     cluster.signal(victim, signal.SIGKILL)
                     killed_after = len(tokens)
         return tokens, killed_after, victim
@@ -192,14 +192,3 @@ def test_a_request_whose_decode_worker_is_killed_moves_on(cluster: Cluster, engi
 
 def _decoders(cluster: Cluster) -> list[str]:
     return sorted(v.record.worker_id for v in cluster.views("decode"))
-
-
-def _streaming_decoder(cluster: Cluster, since: float) -> str:
-    """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        for v in cluster.views("decode"):
-            if v.load and v.load.running and v.load.updated_at > since:
-                return v.record.worker_id
-        time.sleep(0.05)
-    raise AssertionError("no decode worker reported a running request")

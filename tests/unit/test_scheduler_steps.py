@@ -19,7 +19,7 @@ def step(
     *,
     attempt: int = 0,
     streamed: bool = False,
-    kv_error: bool = False,
+    kv_error: str = "",
     others_left: bool = True,
     can_fall_back: bool = True,
     can_move: bool = False,
@@ -68,8 +68,17 @@ def test_a_request_that_streamed_tokens_moves_when_its_worker_went_away() -> Non
 
 
 def test_a_kv_pull_that_failed_on_the_exporter_is_not_retried() -> None:
-    assert step("decode", UNAVAILABLE, kv_error=True) is Step.FAIL
-    assert step("decode", UNAVAILABLE, kv_error=True, can_move=True) is Step.MIGRATE
+    assert step("decode", UNAVAILABLE, kv_error="transport") is Step.FAIL
+    assert step("decode", UNAVAILABLE, kv_error="transport", can_move=True) is Step.MIGRATE
+
+
+def test_a_lease_that_is_gone_moves_the_request_to_a_new_prefill() -> None:
+    # `make chaos`, a DEP rank stopped: its peer pulled the KV, failed, and the next decode
+    # attempt found no lease; it ended FAILED_PRECONDITION though the request could go on
+    gone = grpc.StatusCode.FAILED_PRECONDITION
+    assert step("decode", gone, kv_error="not_found", can_move=True) is Step.MIGRATE
+    assert step("decode", gone, kv_error="not_found") is Step.FAIL  # --migration-limit 0
+    assert step("decode", gone, kv_error="layout_mismatch", can_move=True) is Step.FAIL
 
 
 def test_bad_input_fails_at_once() -> None:
