@@ -29,7 +29,7 @@ from ferry.services.kv_transfer.handle import KvHandle, TransferError
 from ferry.services.kv_transfer.transport import KvTransport, create_transport
 from ferry.services.worker import convert as worker_convert
 from ferry.services.worker.config import WorkerConfig
-from ferry.services.worker.engine_worker import EngineWorker, transfer_status
+from ferry.services.worker.engine_worker import PROBE_TIMEOUT_S, EngineWorker, transfer_status
 from ferry.services.worker.trace_spans import prefill_spans
 
 log = get_logger(__name__)
@@ -61,6 +61,13 @@ class DecodeWorker(EngineWorker):
                 self.config.verify_checksum,
             )
         return self._importers[transport]
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        # the transport its peers export over, ready before any request: a first pull paid
+        # for UCX's start-up (~0.7 s here, against ~5 ms for the next pull)
+        transport = self.importer(self.config.kv_transport).transport
+        await transport.probe(PROBE_TIMEOUT_S, self.config.service.public_host)
+        await super().start(address, metrics_port)
 
     def transports(self) -> list[KvTransport]:
         return [imp.transport for imp in self._importers.values()]
