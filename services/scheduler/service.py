@@ -198,7 +198,7 @@ class Scheduler(Service):
     # ---- one request ----------------------------------------------------------------------
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, rid: str, span: Span = trace.INVALID_SPAN
-    ) -> AsyncIterator[common_pb2.TokenChunk]:
+    ) -> AsyncGenerator[common_pb2.TokenChunk, None]:
         """The request's chunks, under ``rid``; Failed (a status and message) when it cannot be
         served. The loop over attempts is described in the module's docstring; each attempt
         is a child span of ``span``, each retry, fall-back and move an event of it."""
@@ -657,10 +657,14 @@ class _Servicer(scheduler_pb2_grpc.SchedulerServicer):
             ) as span,
         ):
             try:
-                async for chunk in s.generate(request, rid, span):
-                    if chunk.finish_reason:  # served: a client that hangs up now loses nothing
-                        outcome = "ok"
-                    yield chunk
+                # closed here, not whenever it is collected: its finally (the lease's release,
+                # the span's last attributes) runs before the span ends, even when the client
+                # hangs up after the last chunk
+                async with contextlib.aclosing(s.generate(request, rid, span)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.finish_reason:  # served: a client that hangs up now loses nothing
+                            outcome = "ok"
+                        yield chunk
                 outcome = "ok"
             except Failed as f:
                 outcome = f.code.name.lower()
