@@ -91,13 +91,15 @@ class ChatTemplate:
             text = self.template.render(**context)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed on these messages: {e}") from e
-        return _open_final(text, messages[-1]) if continue_final_message else text
+        return _open_final(text, messages) if continue_final_message else text
 
 
-def _open_final(text: str, final: dict[str, Any]) -> str:
+def _open_final(text: str, messages: Sequence[dict[str, Any]]) -> str:
     """``text`` up to the end of the final message's text (trailing whitespace left out), as
     transformers' ``continue_final_message`` cuts it."""
-    content = final.get("content")
+    if not messages:
+        raise ValueError("continue_final_message: there are no messages, so no final one to go on")
+    content = messages[-1].get("content")
     if not isinstance(content, str) or not content.strip():
         raise ValueError("continue_final_message: the final message has no text to go on with")
     at = text.rfind(content)

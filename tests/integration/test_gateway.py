@@ -513,6 +513,8 @@ def test_continue_final_message_goes_on_with_the_last_turn(
             "/v1/chat/completions",
         )
         assert status == 400 and message in err["error"]["message"], err
+    status, err = _post(cluster.gateway, json.dumps(body | {"messages": []}).encode(), "/tokenize")
+    assert status == 400 and "no final one" in err["error"]["message"], err
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(

@@ -104,6 +104,8 @@ def test_continue_final_message_leaves_the_last_turn_open() -> None:
     for bad in ({"role": "assistant", "content": " "}, {"role": "assistant"}):
         with pytest.raises(ValueError, match="no text to go on with"):
             ChatTemplate().render([MESSAGES[1], bad], continue_final_message=True)
+    with pytest.raises(ValueError, match="no messages, so no final one"):  # /tokenize allows []
+        ChatTemplate().render([], add_generation_prompt=False, continue_final_message=True)
     shouting = ChatTemplate("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
     with pytest.raises(ValueError, match="does not write the final message's text as it is"):
         shouting.render(messages, continue_final_message=True)
