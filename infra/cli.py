@@ -1,5 +1,6 @@
-"""The ``ferry`` command line: ``up`` (a local cluster), ``serve ROLE`` (one service),
-``status`` (the cluster state in Redis) and ``export-preset``."""
+"""The ``ferry`` command line: ``up`` (a local cluster), ``deploy k8s`` (its Kubernetes
+manifests), ``serve ROLE`` (one service), ``status`` (the cluster state in Redis) and
+``export-preset``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
+    from ferry.infra.deploy.k8s import K8sOptions
     from ferry.infra.launcher import ClusterSpec
     from ferry.services.common.server import Service
 
@@ -132,9 +134,11 @@ def _up(args: argparse.Namespace) -> int:
     return run(spec)
 
 
-def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
-    """What `ferry up` starts, from its flags. ValueError when a role's extra flags are not
-    flags of `ferry serve ROLE` (found now, not when every worker fails to start)."""
+def cluster_spec(args: argparse.Namespace, worker_cores: int = 0) -> ClusterSpec:
+    """What `ferry up` starts (and `ferry deploy k8s` renders), from its flags. ValueError when a
+    role's extra flags are not flags of `ferry serve ROLE` (found now, not when every worker
+    fails to start). ``worker_cores``: each worker has this many cores of its own (a pod's);
+    0: the workers share this machine's."""
     from ferry.infra.launcher import ClusterSpec
     from ferry.infra.restarts import RestartPolicy
     from ferry.services.common import channels
@@ -187,7 +191,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     for role in WORKER_ROLES:  # its own flags last: they win over --worker-args
         serve_args[role] = [
             *worker,
-            *_sharing(role, args),
+            *_sharing(role, args, worker_cores),
             *shlex.split(args.worker_args),  # after ours: they win
             *shlex.split(getattr(args, f"{role}_args")),
         ]
@@ -232,14 +236,15 @@ def _trace_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _sharing(role: str, args: argparse.Namespace) -> list[str]:
+def _sharing(role: str, args: argparse.Namespace, own_cores: int = 0) -> list[str]:
     """How a worker shares this machine's cores: prefill workers split them all (a prompt is
     big arithmetic; TTFT is what it sets), decode workers run behind them (--decode-nice: when
-    both want a core, the prompt goes first, as llama.cpp puts prompts first in its batches)."""
+    both want a core, the prompt goes first, as llama.cpp puts prompts first in its batches).
+    ``own_cores``: a prefill worker has this many to itself."""
     if role != "prefill":
         nice = args.decode_nice if role == "decode" else 0
         return ["--torch-threads", str(args.torch_threads), "--nice", str(nice)]
-    threads = args.prefill_torch_threads
+    threads = args.prefill_torch_threads or own_cores
     if not threads:
         processes = _pd_count(args.prefill, args.aggregated)
         processes += args.prefill_dep if args.prefill_dep > 1 else 0
@@ -269,6 +274,126 @@ def _pd_count(given: int | None, aggregated: int) -> int:
     return 0 if aggregated else 1
 
 
+def _deploy_k8s(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ferry.infra.deploy.k8s import Renderer, write
+
+    try:
+        opts = _k8s_options(args)
+        spec = cluster_spec(args, worker_cores=opts.worker_cpus)
+        objects = Renderer(spec, opts, args.model).render()
+    except ValueError as e:
+        print(f"ferry deploy k8s: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    command = shlex.join(["ferry", *sys.argv[1:]]) if sys.argv[1:] else "ferry deploy k8s"
+    paths = write(objects, Path(args.out), command)
+    kinds = sorted({o["kind"] for o in objects})
+    print(f"wrote {len(paths)} objects ({', '.join(kinds)}) to {args.out}")
+    if any(o["kind"] in ("LeaderWorkerSet", "DisaggregatedSet") for o in objects):
+        print("the cluster needs the LeaderWorkerSet controller (kubernetes-sigs/lws)")
+    return 0
+
+
+def _k8s_options(args: argparse.Namespace) -> K8sOptions:
+    """`ferry deploy k8s`'s own flags; ValueError for `ferry up` flags that a Kubernetes
+    cluster cannot take as they are (a secret in a manifest, this machine's files)."""
+    from ferry.infra.deploy.k8s import K8sOptions
+
+    if args.hosts:
+        raise ValueError("--hosts runs namespaces on this machine: pods have hosts of their own")
+    if args.tls or flags.tls_files(args).on:
+        raise ValueError("TLS in pods comes from a Secret: give --tls-secret NAME")
+    if flags.api_key(args):  # flags.api_key reads --api-key, --api-key-file and FERRY_API_KEY
+        raise ValueError(
+            "an API key in a manifest is a leaked key: put it in a Secret "
+            "(kubectl create secret generic NAME --from-literal=api-key=...) and give "
+            "--api-key-secret NAME"
+        )
+    if args.restart != "on-failure":
+        raise ValueError("--restart: Kubernetes restarts pods itself (restartPolicy Always)")
+    if args.model not in PRESETS:
+        if not args.model_pvc:
+            raise ValueError(
+                f"--model {args.model}: a pod cannot see this machine's files; give "
+                "--model-pvc CLAIM, a volume holding the checkpoint, mounted at this path"
+            )
+        if not os.path.isabs(args.model):
+            raise ValueError(f"--model {args.model}: with --model-pvc, an absolute path")
+    selector = {}
+    for item in args.node_selector:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--node-selector {item}: give KEY=VALUE")
+        selector[key] = value
+    return K8sOptions(
+        namespace=args.namespace,
+        image=args.image,
+        image_pull_policy=args.image_pull_policy,
+        redis_image=args.redis_image,
+        worker_cpus=args.worker_cpus,
+        worker_memory=args.worker_memory,
+        shm_size=args.shm_size,
+        gpus=args.gpus,
+        gpu_resource=args.gpu_resource,
+        rdma_resource=args.rdma_resource,
+        host_network=args.host_network,
+        ucx_tls=args.ucx_tls,
+        node_selector=selector,
+        model_pvc=args.model_pvc,
+        api_key_secret=args.api_key_secret,
+        tls_secret=args.tls_secret,
+        gateway_replicas=args.gateway_replicas,
+        gateway_service_type=args.gateway_service_type,
+        disaggregated_set=args.disaggregated_set,
+        pod_monitor=args.pod_monitor,
+    )
+
+
+def _add_k8s_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for the manifests (one per object)")
+    flags.add(p, "--namespace", "ferry", "the namespace of every object")
+    flags.add(p, "--image", "ferry:dev", "the image every Ferry pod runs (infra/docker/Dockerfile)")
+    flags.add(
+        p,
+        "--image-pull-policy",
+        "IfNotPresent",
+        "the pods' imagePullPolicy",
+        choices=["IfNotPresent", "Always", "Never"],
+    )
+    flags.add(p, "--redis-image", "redis:7.4-alpine", "the image of the cluster's own Redis")
+    flags.add(p, "--worker-cpus", 4, "CPUs each worker pod requests (a prefill's torch threads)")
+    flags.add(p, "--worker-memory", "16Gi", "memory each worker pod requests and is limited to")
+    flags.add(p, "--shm-size", "2Gi", "each worker's /dev/shm (UCX and torch use it)")
+    flags.add(p, "--gpus", 0, "GPUs per worker pod")
+    flags.add(p, "--gpu-resource", "nvidia.com/gpu", "the GPUs' extended resource name")
+    flags.add(p, "--rdma-resource", "", "an RDMA device per worker pod (e.g. rdma/ib) and IPC_LOCK")
+    flags.add_switch(p, "--host-network", "workers on their node's network (UCX over its NICs)")
+    flags.add(p, "--ucx-tls", "", "the workers' UCX_TLS (default: UCX picks)")
+    p.add_argument(
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a node label the worker pods need (repeatable)",
+    )
+    flags.add(p, "--model-pvc", "", "a PersistentVolumeClaim holding --model's checkpoint")
+    flags.add(p, "--api-key-secret", "", "a Secret whose key api-key the gateway requires")
+    flags.add(p, "--tls-secret", "", "a Secret with tls.crt, tls.key, ca.crt: mutual TLS inside")
+    flags.add(p, "--gateway-replicas", 1, "gateway pods behind its Service")
+    flags.add(
+        p,
+        "--gateway-service-type",
+        "ClusterIP",
+        "the gateway Service's type",
+        choices=["ClusterIP", "NodePort", "LoadBalancer"],
+    )
+    flags.add_switch(
+        p, "--disaggregated-set", "the worker roles as one DisaggregatedSet (LWS's) of roles"
+    )
+    flags.add_switch(p, "--pod-monitor", "a Prometheus Operator PodMonitor for every pod")
+
+
 def _status(args: argparse.Namespace) -> int:
     from ferry.infra.status import status
     from ferry.services.common.cluster_state import ClusterStateError
@@ -292,84 +417,18 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_export_preset)
 
     up = sub.add_parser("up", help="start a local cluster (redis + all services)")
-    flags.add(up, "--prefill", None, "prefill workers (default 1; 0 with --aggregated)", type=int)
-    flags.add(up, "--decode", None, "decode workers (default 1; 0 with --aggregated)", type=int)
-    flags.add(up, "--aggregated", 0, "aggregated workers (prefill and decode in one engine)")
-    flags.add(up, "--prefill-dep", 1, "> 1: also a prefill DEP group of this many ranks")
-    flags.add(up, "--decode-dep", 1, "> 1: also a decode DEP group of this many ranks")
-    flags.add(up, "--num-redundant-experts", 0, "extra expert slots per MoE layer in a group")
-    flags.add(
-        up,
-        "--eplb-interval-steps",
-        1000,
-        "the EPLB controller rebalances a group every N steps (0: only on request)",
-    )
-    flags.add(
-        up,
-        "--eplb-hash-interval-steps",
-        -1,
-        "... and its hash-routed layers (DeepSeek-V4) every N (-1: 10x the above)",
-    )
-    flags.add(up, "--router-skew", 0.0, "test knob: skew expert load on random weights")
-    flags.add_switch(
-        up, "--enforce-eager", "workers run every step eagerly (no compiled decode graphs)"
-    )
-    flags.add(
-        up, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"
-    )
-    flags.add(up, "--redis-url", "", "Redis to use (default: start a private redis-server)")
-    flags.add(up, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
-    flags.add(up, "--routing-policy", "kv_aware", "scheduler routing policy")
-    flags.add(up, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
-    flags.add(up, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
-    flags.add(up, "--host", "127.0.0.1", "address every service binds")
-    flags.add(
-        up,
-        "--hosts",
-        0,
-        "run as N hosts: network namespaces on a bridge, redis on the first, the gateway and "
-        "scheduler on the second, workers over the rest (root; 0: all on --host)",
-    )
-    flags.add(up, "--port", 8000, "the OpenAI API's HTTP port (0: any free port)")
-    flags.add_switch(up, "--no-gateway", "start no gateway (clients call the scheduler)")
-    flags.add_key_flags(up, "the gateway requires `Authorization: Bearer KEY`")
-    flags.add_switch(
-        up, "--tls", "mutual TLS inside, HTTPS outside, with a throwaway CA made for this run"
-    )
-    flags.add_tls_flags(up)
-    flags.add(up, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
-    flags.add(up, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
-    flags.add(up, "--grpc-port", 50051, "the gateway's public gRPC port")
-    flags.add(up, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
-    flags.add(up, "--cluster", "default", "cluster name (Redis key prefix)")
-    flags.add(up, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
-    flags.add(up, "--torch-threads", 1, "torch threads per decode or aggregated worker")
-    flags.add(
-        up,
-        "--prefill-torch-threads",
-        0,
-        "torch threads per prefill worker (0: the machine's cores, split among them)",
-    )
-    flags.add(
-        up,
-        "--decode-nice",
-        5,
-        "decode workers' CPU priority below the rest (0..19): prompts first on shared cores",
-    )
-    flags.add(up, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
-    flags.add(up, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
-    flags.add_tracing_flags(up, "a directory: every service appends its spans to NAME.jsonl in it")
-    flags.add(up, "--worker-args", "", "extra `ferry serve` flags for every worker")
-    for role in WORKER_ROLES:
-        flags.add(up, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")
-    flags.add(
-        up,
-        "--restart",
-        "on-failure",
-        "start a dead child again (a DEP group as one): after a crash, after any exit, or never",
-        choices=list(RESTART_MODES),
-    )
+    add_cluster_flags(up)
     up.set_defaults(func=_up)
+
+    deploy = sub.add_parser("deploy", help="deployment artefacts for a cluster")
+    targets = deploy.add_subparsers(dest="target", required=True)
+    k8s = targets.add_parser(
+        "k8s",
+        help="Kubernetes manifests for the cluster `ferry up` would start with these flags",
+    )
+    add_cluster_flags(k8s)
+    _add_k8s_flags(k8s)
+    k8s.set_defaults(func=_deploy_k8s)
 
     serve = sub.add_parser("serve", help="run one service (the unit a pod runs)")
     roles = serve.add_subparsers(dest="role", required=True)
@@ -392,6 +451,88 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add(st, "--cluster", "default", "cluster name")
     st.set_defaults(func=_status)
     return parser
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """What a cluster is made of: `ferry up`'s flags, which `ferry deploy k8s` takes too (one
+    ClusterSpec from both: they cannot drift)."""
+    flags.add(p, "--prefill", None, "prefill workers (default 1; 0 with --aggregated)", type=int)
+    flags.add(p, "--decode", None, "decode workers (default 1; 0 with --aggregated)", type=int)
+    flags.add(p, "--aggregated", 0, "aggregated workers (prefill and decode in one engine)")
+    flags.add(p, "--prefill-dep", 1, "> 1: also a prefill DEP group of this many ranks")
+    flags.add(p, "--decode-dep", 1, "> 1: also a decode DEP group of this many ranks")
+    flags.add(p, "--num-redundant-experts", 0, "extra expert slots per MoE layer in a group")
+    flags.add(
+        p,
+        "--eplb-interval-steps",
+        1000,
+        "the EPLB controller rebalances a group every N steps (0: only on request)",
+    )
+    flags.add(
+        p,
+        "--eplb-hash-interval-steps",
+        -1,
+        "... and its hash-routed layers (DeepSeek-V4) every N (-1: 10x the above)",
+    )
+    flags.add(p, "--router-skew", 0.0, "test knob: skew expert load on random weights")
+    flags.add_switch(
+        p, "--enforce-eager", "workers run every step eagerly (no compiled decode graphs)"
+    )
+    flags.add(
+        p, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"
+    )
+    flags.add(p, "--redis-url", "", "Redis to use (default: start a private redis-server)")
+    flags.add(p, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
+    flags.add(p, "--routing-policy", "kv_aware", "scheduler routing policy")
+    flags.add(p, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
+    flags.add(p, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
+    flags.add(p, "--host", "127.0.0.1", "address every service binds")
+    flags.add(
+        p,
+        "--hosts",
+        0,
+        "run as N hosts: network namespaces on a bridge, redis on the first, the gateway and "
+        "scheduler on the second, workers over the rest (root; 0: all on --host)",
+    )
+    flags.add(p, "--port", 8000, "the OpenAI API's HTTP port (0: any free port)")
+    flags.add_switch(p, "--no-gateway", "start no gateway (clients call the scheduler)")
+    flags.add_key_flags(p, "the gateway requires `Authorization: Bearer KEY`")
+    flags.add_switch(
+        p, "--tls", "mutual TLS inside, HTTPS outside, with a throwaway CA made for this run"
+    )
+    flags.add_tls_flags(p)
+    flags.add(p, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
+    flags.add(p, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
+    flags.add(p, "--grpc-port", 50051, "the gateway's public gRPC port")
+    flags.add(p, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
+    flags.add(p, "--cluster", "default", "cluster name (Redis key prefix)")
+    flags.add(p, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
+    flags.add(p, "--torch-threads", 1, "torch threads per decode or aggregated worker")
+    flags.add(
+        p,
+        "--prefill-torch-threads",
+        0,
+        "torch threads per prefill worker (0: the machine's cores, split among them)",
+    )
+    flags.add(
+        p,
+        "--decode-nice",
+        5,
+        "decode workers' CPU priority below the rest (0..19): prompts first on shared cores",
+    )
+    flags.add(p, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
+    flags.add(p, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
+    flags.add_tracing_flags(p, "a directory: every service appends its spans to NAME.jsonl in it")
+    flags.add(p, "--worker-args", "", "extra `ferry serve` flags for every worker")
+    for role in WORKER_ROLES:
+        flags.add(p, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")
+    flags.add(
+        p,
+        "--restart",
+        "on-failure",
+        "start a dead child again (a DEP group as one): after a crash, after any exit, or never",
+        choices=list(RESTART_MODES),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
