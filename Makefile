@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer chaos clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer chaos simulate test-slow clean redis
 
 setup: redis $(STAMP)
 
@@ -68,8 +68,13 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# `make test` stays under 15 minutes here: the tests marked slow (whole clusters of the V4 model,
+# ~4 min) run in `make test-slow`, which CI runs after it
 pytest: setup
-	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz
+	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz -m "not slow"
+
+test-slow: setup
+	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz -m slow
 
 # schemathesis over the REST API's OpenAPI schema and hypothesis over the public gRPC API, against
 # a `ferry up` of the tiny model: no 5xx, INTERNAL or UNKNOWN for a client's mistake, every error
@@ -138,6 +143,11 @@ bench-peer: setup
 # faults across hosts (network namespaces; root): loadtest/results/chaos.json. --short: ~5 min
 chaos: setup
 	$(PY) loadtest/chaos.py $(BENCH_ARGS)
+
+# the seed's setting simulated: DeepSeek-V4-Flash on 72 GB300, the default sweep (~3-5 min)
+simulate: setup
+	$(VENV)/bin/ferry simulate --hardware gb300 --gpus 72 --model deepseek-v4-flash \
+	  --out loadtest/results/simulate-gb300 $(BENCH_ARGS)
 
 # MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
 bench-wide-ep: setup

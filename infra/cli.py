@@ -1,6 +1,6 @@
 """The ``ferry`` command line: ``up`` (a local cluster), ``deploy k8s`` (its Kubernetes
-manifests), ``serve ROLE`` (one service), ``status`` (the cluster state in Redis) and
-``export-preset``."""
+manifests), ``simulate`` (a deployment at rack scale, simulated), ``serve ROLE`` (one service),
+``status`` (the cluster state in Redis) and ``export-preset``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ferry.gateway.config import GatewayConfig
 from ferry.infra import flags
 from ferry.infra.launcher import WORKER_ROLES
 from ferry.infra.restarts import RESTART_MODES
+from ferry.infra.simulator import cli as simulator_cli
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
@@ -429,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_flags(k8s)
     _add_k8s_flags(k8s)
     k8s.set_defaults(func=_deploy_k8s)
+
+    simulator_cli.add_parser(sub)
 
     serve = sub.add_parser("serve", help="run one service (the unit a pod runs)")
     roles = serve.add_subparsers(dest="role", required=True)

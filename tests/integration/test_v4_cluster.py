@@ -30,6 +30,8 @@ from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.worker.convert import kv_handle_to_pb
 from tests.cluster import Cluster, ferry_up, generate, greedy
 
+pytestmark = pytest.mark.slow  # ~4 min: `make test-slow`
+
 # lengths 9, 46, 83, 120: every remainder modulo the CSA rate (4), none a multiple of 16
 PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(9 + 37 * i)] for i in range(4)]
 TOKENS = 12
