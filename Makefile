@@ -68,8 +68,9 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# `make test` stays under 15 minutes here: the tests marked slow (whole clusters of the V4 model,
-# ~4 min) run in `make test-slow`, which CI runs after it
+# `make test` stays under 15 minutes here (~13): the tests marked slow (whole clusters of the V4
+# model, the Triton interpreter over a whole model, the benchmark scripts' and Locust's smoke runs;
+# ~2.5 min) run in `make test-slow`, which CI runs after it
 pytest: setup
 	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz -m "not slow"
 

@@ -15,6 +15,8 @@ import pytest
 from tests.cluster import Cluster, ferry_up
 from tests.redis_server import redis_server
 
+pytestmark = pytest.mark.slow  # ~30 s of Locust against a cluster: `make test-slow`
+
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
 
 

@@ -8,6 +8,7 @@ module's tests are collected as usual.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -29,7 +30,21 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
 
 class InterpretedModule(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        yield InterpretedRun.from_parent(self, name="under_TRITON_INTERPRET")
+        run = InterpretedRun.from_parent(self, name="under_TRITON_INTERPRET")
+        if _marked_slow(self.path):  # `make test-slow`'s, as the module's own tests are
+            run.add_marker(pytest.mark.slow)
+        yield run
+
+
+def _marked_slow(path: Path) -> bool:
+    """The module says ``pytestmark = pytest.mark.slow`` (read, not imported: importing it
+    would define its kernels without the interpreter)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+        ):
+            return ast.unparse(node.value) == "pytest.mark.slow"
+    return False
 
 
 class InterpretedFailure(Exception):

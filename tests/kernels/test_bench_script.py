@@ -16,6 +16,8 @@ import torch
 from ferry.kernels.bench import SUITES
 from ferry.kernels.tune import TILINGS, TINY_TILINGS
 
+pytestmark = pytest.mark.slow  # ~40 s of benchmark scripts run tiny: `make test-slow`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ from ferry.kernels import dispatch
 from ferry.services.engine.model import ForwardBatch, MoECausalLM, load_model
 from tests.kernels.triton_helpers import rel_err
 
+pytestmark = pytest.mark.slow  # ~40 s under the interpreter: `make test-slow`
+
 BLOCK_SIZE, TABLE = 16, [3, 0, 2]
 V3_OPS = ("rms_norm", "add_rms_norm", "moe_route", "fused_moe", "mla_decode", "prefill_attention")
 V4_OPS = ("sparse_mqa", "compress_pool", "indexer_topk", "moe_route", "fused_moe")
