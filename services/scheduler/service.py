@@ -244,7 +244,7 @@ class Scheduler(Service):
                     if call.failure is None:
                         return
                     failure = call.failure
-                step = self._after(failure, tried, sent)
+                step = await self._after(failure, tried, sent)
                 span.add_event(step.value, {"stage": stage, "reason": failure.message})
                 if step is Step.RETRY:
                     tried[failure.worker_id] = failure
@@ -280,14 +280,20 @@ class Scheduler(Service):
             await self._release(lease, span)
             span.set_attributes({"output_tokens": len(sent.token_ids), "migrations": sent.moves})
 
-    def _after(self, failure: Failure, tried: dict[str, Failure], sent: Streamed) -> Step:
+    async def _after(self, failure: Failure, tried: dict[str, Failure], sent: Streamed) -> Step:
         if (
             failure.code == grpc.StatusCode.UNAVAILABLE
             and failure.worker_id
             and not failure.kv_error
         ):
             self.view.suspect(failure.worker_id)  # down or going away: the next picks avoid it
-        others = self.view.candidates(failure.stage, {*tried, failure.worker_id})
+        excluded = {*tried, failure.worker_id}
+        others = self.view.candidates(failure.stage, excluded)
+        if not others and failure.code in RETRYABLE:
+            # the registry may have moved on since the last periodic read (a worker that left
+            # was all this view knew, one that joined is not in it yet): read it before failing
+            await self.view.refresh()
+            others = self.view.candidates(failure.stage, excluded)
         return next_step(
             failure,
             max_attempts=self.config.max_attempts,

@@ -211,6 +211,33 @@ def test_a_dead_decode_worker_is_retried_on_another(redis: RedisServer) -> None:
     asyncio.run(main())
 
 
+def test_a_worker_that_joined_since_the_last_read_takes_the_retry(redis: RedisServer) -> None:
+    """The only decode worker the scheduler's view holds is gone; decode-b registered after the
+    view's last read (its periodic refresh is an hour away here). The failed Decode reads the
+    registry again before it gives up, and goes to decode-b."""
+
+    async def main() -> None:
+        async with in_process(redis, "stale-view") as c:
+            await c.worker("prefill", "prefill-0")
+            template = await c.worker("decode", "decode-t")
+            await c.dead_worker("decode-a", like=template)
+            await template.crash()
+            await template.worker.cluster.deregister()
+            scheduler = await c.scheduler(refresh_s=3600.0)
+            try:
+                assert {v.record.worker_id for v in scheduler.view.workers("decode")} == {
+                    "decode-a"
+                }
+                await c.worker("decode", "decode-b")
+                got = await tokens_of(scheduler, request(PROMPT, 8), "r-stale")
+            finally:
+                await scheduler.close()
+            assert got == engine_tokens(PROMPT, 8)
+            assert "decode-b" in {v.record.worker_id for v in scheduler.view.workers("decode")}
+
+    asyncio.run(main())
+
+
 def test_a_full_aggregated_worker_falls_back_to_prefill_then_decode(redis: RedisServer) -> None:
     """The aggregated worker runs one request at most (max_num_seqs 1): while it streams one,
     the next is refused RESOURCE_EXHAUSTED and served by the prefill and decode workers."""
