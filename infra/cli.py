@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import sys
@@ -327,28 +328,8 @@ def _k8s_options(args: argparse.Namespace) -> K8sOptions:
         if not sep or not key:
             raise ValueError(f"--node-selector {item}: give KEY=VALUE")
         selector[key] = value
-    return K8sOptions(
-        namespace=args.namespace,
-        image=args.image,
-        image_pull_policy=args.image_pull_policy,
-        redis_image=args.redis_image,
-        worker_cpus=args.worker_cpus,
-        worker_memory=args.worker_memory,
-        shm_size=args.shm_size,
-        gpus=args.gpus,
-        gpu_resource=args.gpu_resource,
-        rdma_resource=args.rdma_resource,
-        host_network=args.host_network,
-        ucx_tls=args.ucx_tls,
-        node_selector=selector,
-        model_pvc=args.model_pvc,
-        api_key_secret=args.api_key_secret,
-        tls_secret=args.tls_secret,
-        gateway_replicas=args.gateway_replicas,
-        gateway_service_type=args.gateway_service_type,
-        disaggregated_set=args.disaggregated_set,
-        pod_monitor=args.pod_monitor,
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(K8sOptions)}
+    return K8sOptions(**{**given, "node_selector": selector})  # each field is a flag
 
 
 def _add_k8s_flags(p: argparse.ArgumentParser) -> None:

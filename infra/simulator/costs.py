@@ -37,34 +37,11 @@ from ferry.services.engine.model.config_v4 import (
     V4ModelConfig,
     config_from_hf_dict,
 )
-from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
+from ferry.services.engine.model.full_size import DEEPSEEK_V3, DEEPSEEK_V4_FLASH
 
 if TYPE_CHECKING:
     from ferry.infra.simulator.calibration import Efficiency
 
-# DeepSeek-V3 (and R1, V3.1: the same shapes), as its config.json gives them
-DEEPSEEK_V3 = ModelConfig(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    n_routed_experts=256,
-    num_experts_per_tok=8,
-    n_shared_experts=1,
-    n_group=8,
-    topk_group=4,
-    first_k_dense_replace=3,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=163840,
-    source="deepseek-v3",
-)
 MODELS: dict[str, AnyModelConfig] = {
     "deepseek-v3": DEEPSEEK_V3,
     "deepseek-v4-flash": DEEPSEEK_V4_FLASH,

@@ -22,9 +22,10 @@ from ferry.infra.simulator.cluster import (
     imbalance_curve,
     summarize,
 )
-from ferry.infra.simulator.costs import DEEPSEEK_V3, load_model
+from ferry.infra.simulator.costs import load_model
 from ferry.infra.simulator.hardware import get_hardware
 from ferry.infra.simulator.workload import AgentX, Trace, Workload
+from ferry.services.engine.model.full_size import DEEPSEEK_V3
 
 
 @pytest.fixture(scope="module")
