@@ -89,7 +89,7 @@ class Renderer:
         if not s.redis_url:
             self._redis()
         self._workers_service()
-        groups = [(r, n, d) for r, n, d in self._worker_roles()]
+        groups = self._worker_roles()
         if self.opts.disaggregated_set:
             self._disaggregated_set(groups)
         else:
@@ -248,8 +248,10 @@ class Renderer:
             resources=_small(),
             probe_port=port,
         )
-        template = {"metadata": self._pod_meta(role, METRICS_PORT, name), "spec": {}}
-        template["spec"] = self._pod_spec([container], role)
+        template = {
+            "metadata": self._pod_meta(role, METRICS_PORT, name),
+            "spec": self._pod_spec([container], role),
+        }
         self._workload("Deployment", name, name, 1, template)
 
     def _gateway(self, schedulers: list[str]) -> None:
@@ -272,8 +274,10 @@ class Renderer:
             http_probe=True,
         )
         name = f"{self.prefix}-gateway"
-        template = {"metadata": self._pod_meta("gateway", http), "spec": {}}
-        template["spec"] = self._pod_spec([container], "gateway")
+        template = {
+            "metadata": self._pod_meta("gateway", http),
+            "spec": self._pod_spec([container], "gateway"),
+        }
         self._workload("Deployment", name, "gateway", o.gateway_replicas, template)
         svc = self._service(name, "gateway", {"http": http, "grpc": grpc})
         svc["spec"]["type"] = o.gateway_service_type
