@@ -1,8 +1,9 @@
-"""Traces of real requests through `ferry up --trace-file DIR` (1 prefill, 2 decode, UCX,
---migration-limit 1, --restart never): every process writes its spans to DIR/NAME.jsonl, and
-one request's spans, read from all of them, form one tree across gateway → scheduler → prefill
-worker (queue, forward) → KV transfer → decode worker; a request whose decode worker is killed
-mid-stream shows both of its attempts in that one trace."""
+"""Traces of real requests through `ferry up --trace-file DIR --otlp-endpoint ...` (1 prefill,
+2 decode, UCX, --migration-limit 1, --restart never): every process writes its spans to
+DIR/NAME.jsonl, and one request's spans, read from all of them, form one tree across gateway →
+scheduler → prefill worker (queue, forward) → KV transfer → decode worker; a request whose
+decode worker is killed mid-stream shows both of its attempts in that one trace. The same spans
+reach an OTLP/gRPC receiver (opentelemetry-proto's TraceService, what a collector serves)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,18 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from ferry.infra import trace_view
 from ferry.infra.ports import free_port
@@ -31,13 +35,55 @@ CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b716920333
 PROMPT = [(5 * j) % 250 + 1 for j in range(40)]
 
 
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver, as a collector (Jaeger, the OpenTelemetry collector) serves
+    it on 4317: keeps each span it is sent as (service, instance, trace id, span id, parent)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str, str, str]] = []
+        self.lock = threading.Lock()
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            res = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            service, instance = res["service.name"], res["service.instance.id"]
+            got = [
+                (service, instance, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex())
+                for scope in resource_spans.scope_spans
+                for s in scope.spans
+            ]
+            with self.lock:
+                self.spans += got
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: str) -> set[tuple[str, str, str, str, str]]:
+        with self.lock:
+            return {s for s in self.spans if s[2] == trace_id}
+
+
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path]]:
+def collector() -> Iterator[tuple[Collector, str]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    received = Collector()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(received, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield received, f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def traced(
+    tmp_path_factory: pytest.TempPathFactory, collector: tuple[Collector, str]
+) -> Iterator[tuple[Cluster, Path]]:
     traces = tmp_path_factory.mktemp("traces")
     with ferry_up(
         "",
         *("--prefill", "1", "--decode", "2", "--migration-limit", "1"),
         *("--restart", "never", "--trace-file", str(traces)),
+        *("--otlp-endpoint", collector[1]),
         *("--worker-args", "--block-size 16 --transfer-timeout 5"),
         cluster="traced",
     ) as c:
@@ -144,6 +190,40 @@ def test_a_request_is_one_trace_from_the_gateway_to_the_decode_worker(
     assert (decode["attributes"]["steps"], decode["attributes"]["tokens"]) == (7, 7)
     assert [e["name"] for e in decode["events"]] == ["first_step", "last_step"]
     assert generate["attributes"]["outcome"] == "ok"
+
+
+def test_the_spans_reach_an_otlp_collector_as_they_reach_the_files(
+    traced: tuple[Cluster, Path], collector: tuple[Collector, str]
+) -> None:
+    """--otlp-endpoint: every process sends the same spans over OTLP/gRPC that it writes to its
+    file (each exporter batches on its own; OTLP's waits up to 5 s)."""
+    cluster, traces = traced
+    received, _ = collector
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(
+        f"{cluster.gateway}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
+    spans = wait_for_trace(
+        traces,
+        lambda ss: (
+            ss[0]["trace_id"] == trace_id
+            and {"gateway", "scheduler", "prefill-worker", "decode-worker"}
+            <= {s["service"] for s in ss}
+        ),
+    )
+    in_files = {
+        (s["service"], s["instance"], s["trace_id"], s["span_id"], s["parent_span_id"])
+        for s in spans
+    }
+    deadline = time.monotonic() + 30
+    while not in_files <= received.trace(trace_id):
+        assert time.monotonic() < deadline, sorted(in_files - received.trace(trace_id))
+        time.sleep(0.1)
 
 
 def test_a_request_moved_off_a_killed_decode_worker_shows_both_attempts_in_one_trace(
