@@ -11,6 +11,7 @@ import torch
 
 from ferry import kernels as ops
 from ferry.kernels import dispatch
+from ferry.kernels.mla_decode.reference import length_groups
 
 
 def test_moe_route_matches_brute_force() -> None:
@@ -62,6 +63,33 @@ def test_mla_decode_ragged_lengths() -> None:
         kv = cache[tables[b][tables[b] >= 0]].reshape(-1, rank + rope)[: lens[b]]
         p = torch.softmax(q[b] @ kv.T * 0.3, dim=-1)
         torch.testing.assert_close(out[b], p @ kv[:, :rank])
+
+
+def test_mla_decode_attends_in_groups_of_like_lengths() -> None:
+    """Short contexts beside long ones are attended apart (each group gathered up to its own
+    longest), in and out of a compiled graph, with the brute-force result either way."""
+    assert length_groups([100] * 6) == [[0, 1, 2, 3, 4, 5]]
+    assert length_groups([4000, 8, 3990, 9, 4000, 7]) == [[5, 1, 3], [2, 0, 4]]
+    assert length_groups([]) == []
+    gen = torch.Generator().manual_seed(3)
+    heads, rank, rope, bs = 4, 16, 8, 8
+    cache = torch.randn(200, bs, rank + rope, generator=gen)
+    lens = torch.tensor([640, 1, 600, 2])
+    assert len(length_groups(lens.tolist())) == 2
+    tables = torch.arange(4 * 80).view(4, 80) % 200
+    q = torch.randn(4, heads, rank + rope, generator=gen)
+    want = torch.stack(
+        [
+            torch.softmax(
+                q[b] @ (kv := cache[tables[b]].reshape(-1, rank + rope)[: lens[b]]).T * 0.3, -1
+            )
+            @ kv[:, :rank]
+            for b in range(4)
+        ]
+    )
+    torch.testing.assert_close(ops.mla_decode(q, cache, tables, lens, 0.3, rank), want)
+    compiled = torch.compile(ops.mla_decode, dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(q, cache, tables, lens, 0.3, rank), want)
 
 
 def test_mla_decode_in_and_out_of_inference_mode_on_one_thread() -> None:

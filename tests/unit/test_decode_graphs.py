@@ -86,6 +86,30 @@ def test_every_batch_and_width_runs_without_recompiling(compiled: Engine) -> Non
                 compiled.kv_cache.zero_()
 
 
+def test_a_batch_of_short_and_long_contexts_gives_the_eager_logits(compiled: Engine) -> None:
+    """The batched graph attends each sequence over its own context (a short one beside the
+    longest table is not padded to it: ``ferry::mla_decode_paged`` groups by length)."""
+    graphs = compiled.graphs
+    assert graphs is not None
+    bs, blocks = compiled.block_size, compiled.kv.num_blocks
+    positions = [3, graphs.max_width * bs - 1, 40][:MAX_GRAPH_BATCH]
+    tables = [[(11 * i + j) % blocks for j in range(p // bs + 1)] for i, p in enumerate(positions)]
+    ids = [21 + i for i in range(len(positions))]
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        compiled.kv_cache.copy_(torch.randn(compiled.kv_cache.shape, generator=gen) * 0.5)
+        before = compiled.kv_cache.clone()
+        counts = torch.zeros(len(graphs._counts_example()), dtype=torch.long)
+        logits = graphs.run(ids, positions, tables, counts)
+        compiled.kv_cache.copy_(before)
+        fb = ForwardBatch.build([1] * len(ids), positions, tables, bs)
+        want = compiled.model.compute_logits(
+            compiled.model(torch.tensor(ids), fb, compiled.kv_cache)
+        )
+        compiled.kv_cache.zero_()
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
 def test_prefill_steps_and_large_batches_run_eagerly(compiled: Engine) -> None:
     graphs = compiled.graphs
     assert graphs is not None
