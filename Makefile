@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels tune-kernels profile-decode profile-served bench-peer chaos simulate test-slow clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels bench-cuda-graphs tune-kernels profile-decode profile-served bench-peer chaos simulate test-slow clean redis
 
 setup: redis $(STAMP)
 
@@ -172,6 +172,11 @@ bench-engine: setup
 bench-kernels: setup
 	$(PY) -m ferry.kernels.bench $(BENCH_ARGS)
 	$(PY) loadtest/bench_model_kernels.py
+
+# on a CUDA host: the small model's whole decode step eager and as CUDA graphs, batch 1..256
+# -> loadtest/results/cuda-graphs-small.json (says so and exits 0 without a GPU)
+bench-cuda-graphs: setup
+	$(PY) loadtest/bench_cuda_graphs.py $(BENCH_ARGS)
 
 tune-kernels: setup
 	$(PY) -m ferry.kernels.tune $(BENCH_ARGS)

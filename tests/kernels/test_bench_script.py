@@ -61,6 +61,23 @@ def test_tiny_model_run_checks_the_model_on_each_backend(tmp_path: Path) -> None
     assert all(r["max_rel_err"] < 1e-4 for r in logits)
 
 
+def test_cuda_graph_bench_runs_the_decode_step_on_the_gpus_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-graph benchmark's step on the CPU, on the Triton kernels a GPU runs (the
+    interpreter): each batch's row, eager only (no graph to capture here)."""
+    script = str(ROOT / "loadtest" / "bench_cuda_graphs.py")
+    args = ("--device", "cpu", "--model", "tiny", "--batches", "1,2", "--context", "64")
+    monkeypatch.setenv("FERRY_KERNELS", "triton")
+    run = _bench(tmp_path, *args, "--steps", "1", script=script)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "k.json").read_text())
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    assert all(r["eager_ms"] > 0 and "graph_ms" not in r for r in result["rows"])
+    assert result["one_user_tok_s"] == result["rows"][0]["tok_s_per_user"]
+    assert result["seed_one_user_tok_s"] == 826.0
+
+
 def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
     run = _bench(tmp_path, "--tiny", script="ferry.kernels.tune")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -83,6 +100,7 @@ def test_tiny_tuning_checks_and_times_each_tiling(tmp_path: Path) -> None:
         "ferry.kernels.bench",
         "ferry.kernels.tune",
         str(ROOT / "loadtest" / "bench_model_kernels.py"),
+        str(ROOT / "loadtest" / "bench_cuda_graphs.py"),
     ],
 )
 def test_without_a_gpu_it_says_so_and_writes_nothing(tmp_path: Path, script: str) -> None:
