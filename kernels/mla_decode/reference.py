@@ -76,7 +76,7 @@ def mla_decode_torch(
         tables = block_tables.clamp(min=0).reshape(-1)
         kv = kv_cache[tables].view(batch, max_len, -1)
         return _attend(q, kv, seq_lens, max_len, softmax_scale, kv_lora_rank)
-    return _attend_grouped(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+    return mla_decode_paged(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
 
 
 @torch.library.custom_op("ferry::mla_decode_paged", mutates_args=())
@@ -88,8 +88,21 @@ def mla_decode_paged(
     softmax_scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:
-    """``mla_decode_torch`` as eager code runs it, for a compiled graph to call."""
-    return _attend_grouped(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+    """``mla_decode_torch`` as eager code runs it, and as one opaque op for a compiled graph:
+    the batch sorted by context length and attended in groups (``length_groups``), each group's
+    context gathered up to its own longest, so a short sequence beside a long one does not pay
+    for the long one's length."""
+    lens = seq_lens.tolist()
+    groups = length_groups(lens)
+    if len(groups) == 1:
+        return _attend_gathered(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for group in groups:
+        idx = torch.tensor(group, device=q.device)
+        out[idx] = _attend_gathered(
+            q[idx], kv_cache, block_tables[idx], seq_lens[idx], softmax_scale, kv_lora_rank
+        )
+    return out
 
 
 @mla_decode_paged.register_fake
@@ -102,30 +115,6 @@ def _(
     kv_lora_rank: int,
 ) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-
-
-def _attend_grouped(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    kv_lora_rank: int,
-) -> torch.Tensor:
-    """The batch sorted by context length and attended in groups (``length_groups``), each
-    group's context gathered up to its own longest: a short sequence beside a long one does not
-    pay for the long one's length."""
-    lens = seq_lens.tolist()
-    groups = length_groups(lens)
-    if len(groups) == 1:
-        return _attend_gathered(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
-    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
-    for group in groups:
-        idx = torch.tensor(group, device=q.device)
-        out[idx] = _attend_gathered(
-            q[idx], kv_cache, block_tables[idx], seq_lens[idx], softmax_scale, kv_lora_rank
-        )
-    return out
 
 
 def length_groups(lens: list[int]) -> list[list[int]]:

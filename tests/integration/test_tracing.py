@@ -90,6 +90,19 @@ def traced(
         yield c, traces
 
 
+def complete_as_client(cluster: Cluster, trace_id: str, tokens: int) -> None:
+    """A REST completion of ``tokens`` greedy tokens whose traceparent names the client's span
+    CLIENT_SPAN in trace ``trace_id``."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    req = urllib.request.Request(
+        f"{cluster.gateway}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as reply:
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == tokens
+
+
 def wait_for_trace(
     traces: Path, ok: Callable[[list[Span]], bool], timeout: float = 20
 ) -> list[Span]:
@@ -129,14 +142,7 @@ def test_a_request_is_one_trace_from_the_gateway_to_the_decode_worker(
     """A REST request that carries the client's traceparent: the gateway's span is its child,
     and every service's spans hang under the call that reached it."""
     cluster, traces = traced
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-    req = urllib.request.Request(
-        f"{cluster.gateway}/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json", "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as reply:
-        assert json.loads(reply.read())["usage"]["completion_tokens"] == 8
+    complete_as_client(cluster, CLIENT_TRACE, 8)
 
     def whole(spans: list[Span]) -> bool:
         names = {(s["service"], s["name"]) for s in spans}
@@ -200,14 +206,7 @@ def test_the_spans_reach_an_otlp_collector_as_they_reach_the_files(
     cluster, traces = traced
     received, _ = collector
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
-    req = urllib.request.Request(
-        f"{cluster.gateway}/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as reply:
-        assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
+    complete_as_client(cluster, trace_id, 4)
     spans = wait_for_trace(
         traces,
         lambda ss: (
