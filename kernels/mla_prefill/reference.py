@@ -27,8 +27,27 @@ def prefill_attention_torch(
     q4, k4, v4 = q[None], k[None], v[None]
     if q_len == ctx_len:
         out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=softmax_scale)
+    elif q.device.type == "cpu":
+        out = _prefix_then_causal(q4, k4, v4, ctx_len - q_len, softmax_scale)
     else:
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=softmax_scale)
     return out[0, ..., :v_dim].transpose(0, 1)
+
+
+def _prefix_then_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, softmax_scale: float
+) -> torch.Tensor:
+    """A chunk after ``prefix`` cached positions, without a mask: the queries over the prefix
+    (all of it visible), then over their own keys (causal, square), merged by each part's
+    log-sum-exp. A boolean mask made the flash kernel compute the masked-out triangle and read
+    the mask: 33 against 24 ms a layer for 1,200 tokens after 1,300 (8 heads, 2 threads)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    seen, seen_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=softmax_scale)
+    own, own_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=softmax_scale)
+    top = torch.maximum(seen_lse, own_lse)
+    w_seen = torch.exp(seen_lse - top)[..., None]
+    w_own = torch.exp(own_lse - top)[..., None]
+    out = (seen.float() * w_seen + own.float() * w_own) / (w_seen + w_own)
+    return out.to(q.dtype)

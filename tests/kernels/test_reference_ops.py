@@ -92,6 +92,26 @@ def test_mla_decode_attends_in_groups_of_like_lengths() -> None:
     torch.testing.assert_close(compiled(q, cache, tables, lens, 0.3, rank), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_len", "ctx_len"), [(7, 7), (5, 40), (33, 34), (1, 9)])
+def test_prefill_attention_is_causal_after_the_cached_prefix(
+    q_len: int, ctx_len: int, dtype: torch.dtype
+) -> None:
+    """A chunk of q_len queries at the end of ctx_len positions (MLA's 48-wide keys, 32-wide
+    values), against the masked softmax written out."""
+    gen = torch.Generator().manual_seed(q_len * 100 + ctx_len)
+    q = torch.randn(4, q_len, 48, generator=gen)
+    k = torch.randn(4, ctx_len, 48, generator=gen)
+    v = torch.randn(4, ctx_len, 32, generator=gen)
+    out = ops.prefill_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.2)
+    scores = torch.einsum("hqd,hkd->hqk", q, k) * 0.2
+    visible = torch.arange(ctx_len)[None, :] <= torch.arange(ctx_len - q_len, ctx_len)[:, None]
+    want = torch.einsum("hqk,hkd->qhd", scores.masked_fill(~visible, -torch.inf).softmax(-1), v)
+    assert out.dtype == dtype and out.shape == (q_len, 4, 32)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
 def test_mla_decode_in_and_out_of_inference_mode_on_one_thread() -> None:
     """The decode gather reuses a per-thread buffer; an engine step (inference_mode) and plain
     code on the same thread must both be able to use it."""
