@@ -172,7 +172,9 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         assert residual is not None
         x, _ = self.model.norm.add_forward(x, residual)
         choices = torch.stack(routed)  # [num_moe_layers, B, top_k]
-        row = torch.arange(choices.shape[0], device=choices.device) * self.config.n_routed_experts
-        flat = (choices + row[:, None, None]).reshape(-1)
-        expert_counts.index_add_(0, flat, torch.ones_like(flat))
+        # a comparison summed, which inductor fuses into one loop: index_add_ was a fallback
+        # call of ~70 us, 6% of tiny's step at batch 1
+        experts = torch.arange(self.config.n_routed_experts, device=choices.device)
+        hits = (choices[..., None] == experts).sum((1, 2))  # [num_moe_layers, experts]
+        expert_counts += hits.reshape(-1)
         return self.compute_logits(x)
