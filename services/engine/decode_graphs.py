@@ -28,20 +28,17 @@ from ferry.services.engine.model import MoECausalLM
 
 Log = Callable[[str], None]
 
-# Both graphs call their ~50 kernels from generated C++, not from a generated Python function:
-# the Python wrapper cost ~0.4 ms a step (tiny at batch 1: 1.59 -> 1.18 ms a step; batch 8:
-# 8.1 -> 7.8 ms). A C++ wrapper compiles in ~15 s more once; inductor caches it as it caches the
-# kernels.
-WRAPPER_OPTIONS = {"cpp_wrapper": True}
-
 # The batch-1 graph (one user: the latency that counts) freezes the weights into the graph as
 # constants (prepacked: a second copy of them), so that max-autotune may pick inductor's C++
 # micro-GEMM over the BLAS call: at batch 1 it took 2.6 us where MKL took 9.6 for a 256x128
 # product, and the tiny model's step went from ~1.0 to ~0.6 ms. Inductor's on-disk cache skips
 # frozen graphs, so this one compiles at every start (~30 s for tiny); the batched graph stays
-# unfrozen and cached (~5 s once warm).
+# unfrozen and cached (~5 s once warm). Its ~50 kernels are called from generated C++, not from
+# a generated Python function, which cost ~0.4 ms a step (tiny: 1.59 -> 1.18 ms). The batched
+# graph keeps the Python wrapper: in-process the C++ one saved 4% at batch 8, but served 1P1D
+# runs showed no more tokens a second and a worse TTFT p50 at 8 sessions in both A/B rounds.
 SINGLE_USER_OPTIONS = {
-    **WRAPPER_OPTIONS,
+    "cpp_wrapper": True,
     "freezing": True,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
@@ -142,8 +139,7 @@ class DecodeGraphs:
             level = quiet.level
             quiet.setLevel(logging.ERROR)
             try:
-                options = WRAPPER_OPTIONS if batched else SINGLE_USER_OPTIONS
-                with torch._inductor.config.patch(options):
+                with torch._inductor.config.patch({} if batched else SINGLE_USER_OPTIONS):
                     return torch._inductor.standalone_compile(
                         module, list(example), dynamic_shapes="from_graph"
                     )
