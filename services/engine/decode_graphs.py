@@ -112,8 +112,8 @@ class DecodeGraphs:
         # inductor gives equal sizes one symbol: example sizes that equal a dimension of the
         # cache (or each other) would be specialised to it
         taken = {*self.kv_rows.shape, self._counts_example().numel()}
-        width = _unlike(taken, 2, self.max_width)
-        batch = _unlike(taken | {width}, 2, self.max_batch) if batched else 1
+        width = unlike(taken, 2, self.max_width)
+        batch = unlike(taken | {width}, 2, self.max_batch) if batched else 1
         example = self._example(batch, width)
         dims: tuple[dict[int, Any] | None, ...]
         if not batched:
@@ -133,7 +133,7 @@ class DecodeGraphs:
                 dynamic_shapes=dims,
                 strict=False,
             )
-            module = _plain(exported.module())
+            module = plain_graph(exported.module())
             # (a frozen graph cannot be saved: inductor says so on every compile)
             quiet = logging.getLogger("torch._inductor.standalone_compile")
             level = quiet.level
@@ -172,7 +172,7 @@ class DecodeGraphs:
         return logits
 
 
-def _unlike(taken: set[int], low: int, high: int) -> int:
+def unlike(taken: set[int], low: int, high: int) -> int:
     """The smallest size in low..high (or past it) that is not in ``taken``."""
     size = low
     while size in taken and size < high + 64:
@@ -180,7 +180,7 @@ def _unlike(taken: set[int], low: int, high: int) -> int:
     return size
 
 
-def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def plain_graph(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The same graph over only the tensors it reads: export's module carries hooks and a guard
     checker that inductor's on-disk cache cannot pickle (it would compile from scratch on every
     start); the shapes are ours, the checks are not needed."""

@@ -29,6 +29,7 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.kv_cache import KVCacheManager
 from ferry.services.engine.model import ForwardBatch, MoECausalLM, load_model
 from ferry.services.engine.output_processor import OutputProcessor, make_output
+from ferry.services.engine.piece_graphs import compile_pieces
 from ferry.services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
 from ferry.services.engine.sampler import Sampler, token_logprobs
 from ferry.services.engine.step_planner import StepPlan, StepPlanner
@@ -145,6 +146,10 @@ class Engine:
                 min(config.max_graph_batch, config.max_num_seqs),
                 log,
             )
+        # what runs eagerly runs V4's hyper-connection mixing and small batches' routed experts
+        # as fused kernels (piece_graphs.py): V4 throughout, V3 where its graphs do not run
+        if not config.enforce_eager and self.model.device.type == "cpu":
+            compile_pieces(self.model, min(config.max_graph_batch, config.max_num_seqs), log)
         eos = mc.eos_token_ids or (
             () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         )

@@ -7,6 +7,8 @@ experts, which are stacked per physical slot (``experts.w13``, ``experts.w2``); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -216,6 +218,9 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(placement.slots_per_rank, config.hidden_size, inter)
         self.ep_group: EPGroup | None = None  # set by attach_ep_group on a DEP rank
         self.expert_load: ExpertLoad | None = None  # set by attach_expert_load
+        # the routed experts of up to ``small_batch[0]`` tokens as one fused kernel, where the
+        # engine compiled it (piece_graphs.py): (most tokens, compiled fused_moe_gathered)
+        self.small_batch: tuple[int, Callable[..., torch.Tensor]] | None = None
         self.shared_experts = (
             MLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
@@ -256,7 +261,9 @@ class MoE(nn.Module):
         """The routed experts ``route`` chose (logical ``ids``), plus the shared ones."""
         slots = self.placement.select_slots(self.moe_layer, ids)
         limit = self.swiglu_limit
-        if self.ep_group is None:
+        if self.ep_group is None and self.small_batch and x.shape[0] <= self.small_batch[0]:
+            out = self.small_batch[1](x, self.experts.w13, self.experts.w2, weights, slots)
+        elif self.ep_group is None:
             out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots, limit)
         else:  # the slots live on several ranks: send the rows there and back
             d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)

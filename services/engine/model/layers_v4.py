@@ -15,6 +15,8 @@ decode tokens run as one batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,14 +56,24 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * config.hidden_size))
         self.base = nn.Parameter(torch.empty((2 + hc) * hc))
         self.scale = nn.Parameter(torch.empty(3))
+        # the same ``mix`` as one fused kernel, where the engine compiled it (piece_graphs.py)
+        self.compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams: [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], collapsed [T, hidden])."""
+        if self.compiled is not None:
+            return self.compiled(streams, self.fn, self.base, self.scale)
+        return self.mix(streams, self.fn, self.base, self.scale)
+
+    def mix(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` with the weights as arguments: one compiled graph serves every layer."""
         hc = self.hc
-        mixes = F.linear(self.norm(streams.flatten(1).float()), self.fn.float())
+        mixes = F.linear(self.norm(streams.flatten(1).float()), fn.float())
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+        pre_s, post_s, comb_s = scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc)
