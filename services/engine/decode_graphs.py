@@ -35,8 +35,7 @@ Log = Callable[[str], None]
 # frozen graphs, so this one compiles at every start (~30 s for tiny); the batched graph stays
 # unfrozen and cached (~5 s once warm). Its ~50 kernels are called from generated C++, not from
 # a generated Python function, which cost ~0.4 ms a step (tiny: 1.59 -> 1.18 ms). The batched
-# graph keeps the Python wrapper: in-process the C++ one saved 4% at batch 8, but served 1P1D
-# runs showed no more tokens a second and a worse TTFT p50 at 8 sessions in both A/B rounds.
+# graph keeps the Python wrapper: served, the C++ one gave no more tokens a second.
 SINGLE_USER_OPTIONS = {
     "cpp_wrapper": True,
     "freezing": True,
@@ -123,28 +122,8 @@ class DecodeGraphs:
             b = torch.export.Dim("batch", min=2, max=max(batch, self.max_batch))
             w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
             dims = ({0: b}, {0: b}, {0: b, 1: w}, None, None)
-        # export traces with autograd off but outside inference mode: a graph captured under
-        # inference_mode cannot be called outside it (tests and the engine run both)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree
-            exported = torch.export.export(
-                _DecodeModule(self.model, self.block_size),
-                example,
-                dynamic_shapes=dims,
-                strict=False,
-            )
-            module = plain_graph(exported.module())
-            # (a frozen graph cannot be saved: inductor says so on every compile)
-            quiet = logging.getLogger("torch._inductor.standalone_compile")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
-                with torch._inductor.config.patch({} if batched else SINGLE_USER_OPTIONS):
-                    return torch._inductor.standalone_compile(
-                        module, list(example), dynamic_shapes="from_graph"
-                    )
-            finally:
-                quiet.setLevel(level)
+        module = _DecodeModule(self.model, self.block_size)
+        return export_and_compile(module, example, dims, {} if batched else SINGLE_USER_OPTIONS)
 
     def run(
         self,
@@ -180,7 +159,34 @@ def unlike(taken: set[int], low: int, high: int) -> int:
     return size
 
 
-def plain_graph(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def export_and_compile(
+    module: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    dims: tuple[dict[int, Any] | None, ...],
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """``module`` exported over ``example`` (``dims``: export's dynamic shapes) and compiled by
+    inductor with ``options``: a callable over tensors like ``example``, with no guards."""
+    # export traces with autograd off but outside inference mode: a graph captured under
+    # inference_mode cannot be called outside it (tests and the engine run both)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree
+        exported = torch.export.export(module, example, dynamic_shapes=dims, strict=False)
+        graph = _plain(exported.module())
+        # (a frozen graph cannot be saved: inductor says so on every compile)
+        quiet = logging.getLogger("torch._inductor.standalone_compile")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            with torch._inductor.config.patch(options or {}):
+                return torch._inductor.standalone_compile(
+                    graph, list(example), dynamic_shapes="from_graph"
+                )
+        finally:
+            quiet.setLevel(level)
+
+
+def _plain(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The same graph over only the tensors it reads: export's module carries hooks and a guard
     checker that inductor's on-disk cache cannot pickle (it would compile from scratch on every
     start); the shapes are ours, the checks are not needed."""

@@ -16,7 +16,6 @@ user: 15.7 -> 11.3 ms per token (``make profile-decode``; the mixing alone: 15.1
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from ferry.kernels.fused_moe.reference import fused_moe_gathered
-from ferry.services.engine.decode_graphs import plain_graph, unlike
+from ferry.services.engine.decode_graphs import export_and_compile, unlike
 from ferry.services.engine.model.layers import MoE
 from ferry.services.engine.model.layers_v4 import HyperConnection
 
@@ -94,7 +93,7 @@ def _compile_mix(hc: HyperConnection) -> Compiled:
     tokens = unlike({hc.hc, hidden, *hc.fn.shape, *hc.base.shape, *hc.scale.shape}, 2, 64)
     streams = torch.zeros(tokens, hc.hc, hidden, dtype=hc.fn.dtype, device=hc.fn.device)
     t = torch.export.Dim("tokens", min=1)
-    return _export_and_compile(
+    return export_and_compile(
         _Mix(hc), (streams, hc.fn, hc.base, hc.scale), ({0: t}, None, None, None)
     )
 
@@ -108,20 +107,8 @@ def _compile_experts(moe: MoE, max_batch: int) -> Compiled:
     weights = torch.rand(tokens, top_k, device=dev)
     slots = torch.zeros(tokens, top_k, dtype=torch.long, device=dev)
     t = torch.export.Dim("tokens", min=1, max=max(tokens, max_batch))
-    return _export_and_compile(
+    return export_and_compile(
         _Experts(moe.swiglu_limit),
         (hidden, w13, w2, weights, slots),
         ({0: t}, None, None, {0: t}, {0: t}),
     )
-
-
-def _export_and_compile(
-    module: nn.Module, example: tuple[torch.Tensor, ...], dims: tuple[dict[int, Any] | None, ...]
-) -> Compiled:
-    # export traces with autograd off but outside inference mode, as decode_graphs does
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own pytree
-        exported = torch.export.export(module, example, dynamic_shapes=dims, strict=False)
-        return torch._inductor.standalone_compile(
-            plain_graph(exported.module()), list(example), dynamic_shapes="from_graph"
-        )

@@ -261,22 +261,17 @@ class MoE(nn.Module):
         """The routed experts ``route`` chose (logical ``ids``), plus the shared ones."""
         slots = self.placement.select_slots(self.moe_layer, ids)
         limit = self.swiglu_limit
-        if self.ep_group is None and self.small_batch and x.shape[0] <= self.small_batch[0]:
-            out = self.small_batch[1](x, self.experts.w13, self.experts.w2, weights, slots)
-        elif self.ep_group is None:
-            out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, slots, limit)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if self.ep_group is None:
+            if self.small_batch and x.shape[0] <= self.small_batch[0]:
+                out = self.small_batch[1](x, w13, w2, weights, slots)
+            else:
+                out = ops.fused_moe(x, w13, w2, weights, slots, limit)
         else:  # the slots live on several ranks: send the rows there and back
             d = dispatch(x, slots, weights, self.placement.slots_per_rank, self.ep_group)
             if self.expert_load is not None:
                 self.expert_load.add_rows(self.moe_layer, d.hidden.shape[0])
-            y = ops.fused_moe(
-                d.hidden,
-                self.experts.w13,
-                self.experts.w2,
-                d.weights[:, None],
-                d.local_slots[:, None],
-                limit,
-            )
+            y = ops.fused_moe(d.hidden, w13, w2, d.weights[:, None], d.local_slots[:, None], limit)
             out = combine(y, d, self.ep_group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
