@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ferry.services.engine.model import load_model
+from ferry.services.engine.model.forward_batch import GraphStep
 
 SEED_ONE_USER_TOK_S = 826.0
 DEFAULT_OUT = "loadtest/results/cuda-graphs-small.json"
@@ -44,10 +45,11 @@ class Step:
     """One batch size's decode step over static device buffers (what a graph replays)."""
 
     def __init__(
-        self, model: Any, kv_rows: torch.Tensor, block_size: int, batch: int, context: int
+        self, model: Any, kv_cache: torch.Tensor, block_size: int, batch: int, context: int
     ) -> None:
-        dev = kv_rows.device
-        self.model, self.kv_rows, self.block_size = model, kv_rows, block_size
+        dev = kv_cache.device
+        self.model, self.kv_cache, self.block_size = model, kv_cache, block_size
+        self.cache_inputs = model.graph_inputs(kv_cache)
         width = context // block_size + 1
         # host side, pinned on a GPU: what the engine builds every step
         pin = dev.type == "cuda"
@@ -60,6 +62,7 @@ class Step:
                 t.pin_memory() for t in (self.host_ids, self.host_positions, self.host_tables)
             )
         self.ids = torch.empty(batch, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(batch, dtype=torch.long, device=dev)
         self.positions = torch.empty(batch, dtype=torch.long, device=dev)
         self.tables = torch.empty(batch, width, dtype=torch.long, device=dev)
         n = model.config.num_moe_layers * model.config.n_routed_experts
@@ -73,9 +76,10 @@ class Step:
         self.tables.copy_(self.host_tables, non_blocking=True)
 
     def forward(self) -> torch.Tensor:
-        logits = self.model.decode_graph(
-            self.ids, self.positions, self.tables, self.kv_rows, self.counts, self.block_size
+        step = GraphStep(
+            self.ids, self.positions, self.slots, self.tables, self.counts, self.block_size
         )
+        logits = self.model.decode_graph(step, self.kv_cache, self.cache_inputs)
         return logits.argmax(dim=-1)
 
     def eager(self) -> list[int]:
@@ -138,11 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     width = args.context // bs + 1
     cache = model.allocate_kv_cache(max(batches) * width, bs)
     cache.normal_(std=0.5)
-    kv_rows = cache.view(-1, cache.shape[-1])
     rows = []
     with torch.inference_mode():
         for batch in batches:
-            step = Step(model, kv_rows, bs, batch, args.context)
+            step = Step(model, cache, bs, batch, args.context)
             row: dict[str, Any] = {"batch": batch, "eager_ms": timed(step.eager, args.steps)}
             if dev.type == "cuda":
                 step.capture()

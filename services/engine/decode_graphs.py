@@ -1,14 +1,16 @@
 """Compiled decode steps: the small-batch fast path.
 
-At batch 1 a step of a small model is ~460 tensor operations of a few microseconds each; eager
-PyTorch spends most of the step between them, not in them. A decode-only step
-(``MoECausalLM.decode_graph``: one token per sequence, shapes from the inputs alone) is exported
-once and compiled by inductor into fused C++, for two shapes: batch 1, and every batch from 2 to
-``max_batch`` (the batch and the block-table width are symbolic, so neither a growing context nor
-a changing batch recompiles after warm-up). Calls go to the compiled code directly, without
-dynamo's guards. Inductor caches compiled code on disk (``TORCHINDUCTOR_CACHE_DIR``).
+At batch 1 a step of a small model is ~460 tensor operations (V3; V4 ~8,500) of a few
+microseconds each; eager PyTorch spends most of the step between them, not in them. A
+decode-only step (``MoECausalLM.decode_graph``: one token per sequence, shapes from the inputs
+alone, the cache's tensors as inputs that it writes in place) is exported once and compiled by
+inductor into fused C++ for the batch sizes of ``graph_plan``: V3 batch 1 and every batch from 2
+to ``max_batch``, V4 every batch from 1 (the batch and the block-table width are symbolic, so
+neither a growing context nor a changing batch recompiles after warm-up). Calls go to the
+compiled code directly, without dynamo's guards. Inductor caches compiled code on disk
+(``TORCHINDUCTOR_CACHE_DIR``).
 
-The batch-1 graph holds the weights frozen: a model whose weights change after start-up (a DEP
+V3's batch-1 graph holds the weights frozen: a model whose weights change after start-up (a DEP
 rank's EPLB moves experts) must not use these graphs. Steps with prefill chunks, larger batches,
 DEP ranks (their MoE exchanges tokens) and models without ``decode_graph`` run eagerly.
 """
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferry.services.engine.model import MoECausalLM
+from ferry.services.engine.model import DeepseekV4ForCausalLM, MoECausalLM
+from ferry.services.engine.model.forward_batch import GraphStep
 
 Log = Callable[[str], None]
 
@@ -42,27 +45,42 @@ SINGLE_USER_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+# DeepSeek-V4's step has several times V3's matrix shapes, and autotuning takes 3-4 s for each:
+# v4-tiny's batch-1 graph took ~170 s to compile, past the start-up bound. So V4 compiles one
+# unfrozen graph, cached on disk, for every batch from 1: with the C++ wrapper, v4-tiny's step
+# took 1.1 ms at batch 1 and 2.2 at 8, against 1.5 and 2.6 with the Python one (a graph for
+# batch 1 alone gained nothing over it). Its kernels build apart from the wrapper: 75 s to
+# compile with an empty cache against 94 as one build, the same speed; ~10 s from the cache.
+V4_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+def graph_plan(model: MoECausalLM, max_batch: int) -> list[tuple[int, int, dict[str, Any]]]:
+    """(smallest batch, largest batch, inductor's options) of each graph to compile."""
+    if isinstance(model, DeepseekV4ForCausalLM):
+        return [(1, max_batch, V4_OPTIONS)]
+    return [(1, 1, SINGLE_USER_OPTIONS)] + ([(2, max_batch, {})] if max_batch >= 2 else [])
 
 
 class _DecodeModule(nn.Module):
-    """What export traces: the model's ``decode_graph`` with the KV cache as an argument."""
+    """What export traces: the model's ``decode_graph`` with the cache's tensors as inputs."""
 
-    def __init__(self, model: MoECausalLM, block_size: int) -> None:
+    def __init__(self, model: MoECausalLM, kv_cache: Any, block_size: int) -> None:
         super().__init__()
         self.model = model
+        self.kv_cache = kv_cache  # (its layout: the graph reads and writes its inputs)
         self.block_size = block_size
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
+        slots: torch.Tensor,
         block_tables: torch.Tensor,
-        kv_rows: torch.Tensor,
         expert_counts: torch.Tensor,
+        *cache: torch.Tensor,
     ) -> torch.Tensor:
-        return self.model.decode_graph(
-            input_ids, positions, block_tables, kv_rows, expert_counts, self.block_size
-        )
+        step = GraphStep(input_ids, positions, slots, block_tables, expert_counts, self.block_size)
+        return self.model.decode_graph(step, self.kv_cache, cache)
 
 
 class DecodeGraphs:
@@ -71,25 +89,26 @@ class DecodeGraphs:
     def __init__(
         self,
         model: MoECausalLM,
-        kv_cache: torch.Tensor,
+        kv_cache: Any,
         block_size: int,
         max_model_len: int,
         max_batch: int,
         log: Log | None = None,
     ) -> None:
         self.model = model
-        self.kv_rows = kv_cache.view(-1, kv_cache.shape[-1])
+        self.kv_cache = kv_cache
+        self.cache_inputs = model.graph_inputs(kv_cache)
         self.block_size = block_size
         self.max_batch = max_batch
         self.max_width = max(2, -(-max_model_len // block_size))
-        self._graphs: dict[bool, Any] = {}  # batched (B >= 2) or not -> compiled step
+        self._graphs: list[tuple[int, Any]] = []  # (largest batch, compiled step), ascending
         self.steps = 0  # steps run, for tests and benchmarks
-        shapes = [False, True] if max_batch >= 2 else [False]
-        for n, batched in enumerate(shapes, 1):
+        plan = graph_plan(model, max_batch)
+        for n, (low, high, options) in enumerate(plan, 1):
             if log:
-                what = f"2..{max_batch}" if batched else "1"
-                log(f"compiling the decode step for batch {what} ({n}/{len(shapes)})")
-            self._graphs[batched] = self._compile(batched)
+                what = f"{low}..{high}" if high > low else f"{low}"
+                log(f"compiling the decode step for batch {what} ({n}/{len(plan)})")
+            self._graphs.append((high, self._compile(low, high, options)))
 
     def covers(self, batch: int) -> bool:
         return 1 <= batch <= self.max_batch
@@ -100,30 +119,31 @@ class DecodeGraphs:
         tables = torch.zeros(batch, width, dtype=torch.long, device=dev)
         # distinct tensors: compile would merge aliased inputs
         ids, positions = (torch.ones(batch, dtype=torch.long, device=dev) for _ in range(2))
-        return (ids, positions, tables, self.kv_rows, self._counts_example())
+        slots = torch.zeros(batch, dtype=torch.long, device=dev)
+        return (ids, positions, slots, tables, self._counts_example(), *self.cache_inputs)
 
     def _counts_example(self) -> torch.Tensor:
         c = self.model.config
         n = c.num_moe_layers * c.n_routed_experts
         return torch.zeros(n, dtype=torch.long, device=self.model.device)
 
-    def _compile(self, batched: bool) -> Any:
+    def _compile(self, low: int, high: int, options: dict[str, Any]) -> Any:
+        """A step for batches of ``low`` .. ``high`` sequences (low == high: that size only)."""
         # inductor gives equal sizes one symbol: example sizes that equal a dimension of the
         # cache (or each other) would be specialised to it
-        taken = {*self.kv_rows.shape, self._counts_example().numel()}
+        taken = {self._counts_example().numel(), *(d for t in self.cache_inputs for d in t.shape)}
         width = unlike(taken, 2, self.max_width)
-        batch = unlike(taken | {width}, 2, self.max_batch) if batched else 1
+        batch = unlike(taken | {width}, max(low, 2), high) if high > low else low
         example = self._example(batch, width)
-        dims: tuple[dict[int, Any] | None, ...]
-        if not batched:
-            w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = (None, None, {1: w}, None, None)
+        w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
+        if high == low:
+            per_seq: tuple[dict[int, Any] | None, ...] = (None, None, None, {1: w})
         else:
-            b = torch.export.Dim("batch", min=2, max=max(batch, self.max_batch))
-            w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
-            dims = ({0: b}, {0: b}, {0: b, 1: w}, None, None)
-        module = _DecodeModule(self.model, self.block_size)
-        return export_and_compile(module, example, dims, {} if batched else SINGLE_USER_OPTIONS)
+            b = torch.export.Dim("batch", min=low, max=max(batch, high))
+            per_seq = ({0: b}, {0: b}, {0: b}, {0: b, 1: w})
+        dims = (*per_seq, None, tuple(None for _ in self.cache_inputs))  # (*cache: one entry)
+        module = _DecodeModule(self.model, self.kv_cache, self.block_size)
+        return export_and_compile(module, example, dims, options)
 
     def run(
         self,
@@ -131,10 +151,12 @@ class DecodeGraphs:
         positions: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         expert_counts: torch.Tensor,
+        slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """One decode step: sequence i adds ``input_ids[i]`` at ``positions[i]`` with blocks
-        ``block_tables[i]``. Returns float32 logits [B, vocab]; adds the step's MoE choices into
-        ``expert_counts`` ([moe_layers * experts] int64, see ``ExpertLoad.counts_buffer``)."""
+        ``block_tables[i]`` (and state slot ``slots[i]``, for a model with state). Returns
+        float32 logits [B, vocab]; adds the step's MoE choices into ``expert_counts``
+        ([moe_layers * experts] int64, see ``ExpertLoad.counts_buffer``)."""
         bs = self.block_size
         width = max(2, max(p // bs + 1 for p in positions))
         tables = [list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables]
@@ -142,12 +164,14 @@ class DecodeGraphs:
         args = (
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
+            torch.tensor(slots or [0] * len(input_ids), device=dev),
             torch.tensor(tables, device=dev),
-            self.kv_rows,
             expert_counts,
+            *self.cache_inputs,
         )
         self.steps += 1
-        logits: torch.Tensor = self._graphs[len(input_ids) > 1](*args)
+        graph = next(g for high, g in self._graphs if len(input_ids) <= high)
+        logits: torch.Tensor = graph(*args)
         return logits
 
 
@@ -162,7 +186,7 @@ def unlike(taken: set[int], low: int, high: int) -> int:
 def export_and_compile(
     module: nn.Module,
     example: tuple[torch.Tensor, ...],
-    dims: tuple[dict[int, Any] | None, ...],
+    dims: tuple[Any, ...],
     options: dict[str, Any] | None = None,
 ) -> Any:
     """``module`` exported over ``example`` (``dims``: export's dynamic shapes) and compiled by

@@ -147,7 +147,7 @@ class Engine:
                 log,
             )
         # what runs eagerly runs V4's hyper-connection mixing and small batches' routed experts
-        # as fused kernels (piece_graphs.py): V4 throughout, V3 where its graphs do not run
+        # as fused kernels (piece_graphs.py): the steps the decode graphs do not take
         if not config.enforce_eager and self.model.device.type == "cpu":
             compile_pieces(self.model, min(config.max_graph_batch, config.max_num_seqs), log)
         eos = mc.eos_token_ids or (
@@ -364,11 +364,14 @@ class Engine:
                 sampling.append(req)
             for pos in _prompt_logprob_positions(req, start, n):
                 prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
+        snapshots = self._take_snapshots(plan)
         if not prompt_rows and self._graph_step(plan, len(sampling)):
-            logits, forward_s = self._forward_graph(plan, input_ids)
+            t0 = time.perf_counter()
+            logits = self._forward_graph(plan, input_ids, snapshots)
+            forward_s = time.perf_counter() - t0
+            self._commit(plan, snapshots)
             return logits, sampling, forward_s
         device = self.model.device
-        snapshots = self._take_snapshots(plan)
         batch = ForwardBatch.build(
             plan.num_new_tokens,
             [r.num_computed_tokens for r in plan.requests],
@@ -389,6 +392,11 @@ class Engine:
         if prompt_rows:
             self._prompt_logprobs(hidden, prompt_rows)
         forward_s = time.perf_counter() - t0
+        self._commit(plan, snapshots)
+        return logits, sampling, forward_s
+
+    def _commit(self, plan: StepPlan, snapshots: list[list[tuple[int, int]]]) -> None:
+        """The plan's new tokens are in the cache: count them, and keep the step's snapshots."""
         for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
             req.num_computed_tokens += n
             self.kv.commit(req)
@@ -397,7 +405,6 @@ class Engine:
                 index = pos // self.block_size - 1
                 block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
                 self.kv.keep_snapshot(block_hash, snap)
-        return logits, sampling, forward_s
 
     def _graph_step(self, plan: StepPlan, sampled: int) -> bool:
         """Whether the decode graphs run this step: one token per sequence, each sampled."""
@@ -409,19 +416,24 @@ class Engine:
             and all(k == 1 for k in plan.num_new_tokens)
         )
 
-    def _forward_graph(self, plan: StepPlan, input_ids: list[int]) -> tuple[torch.Tensor, float]:
-        """``_forward`` for a step the decode graphs run: (logits, seconds in the model)."""
+    def _forward_graph(
+        self, plan: StepPlan, input_ids: list[int], snapshots: list[list[tuple[int, int]]]
+    ) -> torch.Tensor:
+        """``_forward`` for a step the decode graphs run: the logits. A sequence's state is
+        snapshotted after the graph (its one token is the last the step adds)."""
         assert self.graphs is not None
-        t0 = time.perf_counter()
         positions = [r.num_computed_tokens for r in plan.requests]
         tables = [r.block_ids for r in plan.requests]
+        slots = [0 if r.state_slot is None else r.state_slot for r in plan.requests]
+        if self.expert_load.hash_tables:  # their load counts from the tokens
+            self.expert_load.add_tokens(torch.tensor(input_ids))
         counts = self.expert_load.counts_buffer(self.model.device)
-        logits = self.graphs.run(input_ids, positions, tables, counts)
-        forward_s = time.perf_counter() - t0
-        for req in plan.requests:
-            req.num_computed_tokens += 1
-            self.kv.commit(req)
-        return logits, forward_s
+        logits = self.graphs.run(input_ids, positions, tables, counts, slots)
+        for req, points in zip(plan.requests, snapshots, strict=True):
+            for _, snap in points:
+                assert req.state_slot is not None
+                self.kv_cache.save(req.state_slot, snap)
+        return logits
 
     def _take_snapshots(self, plan: StepPlan) -> list[list[tuple[int, int]]]:
         """For a model with state: restore the state of this step's prefix hits, then choose

@@ -1,5 +1,6 @@
 """Pieces of the eager forward compiled into fused kernels (CPU), for models and steps that the
-decode graphs (``decode_graphs.py``) do not run: DeepSeek-V4 throughout, and V3's eager steps.
+decode graphs (``decode_graphs.py``) do not run: prefill chunks and batches past
+``max_graph_batch``, V3's and V4's.
 
 - V4's hyper-connections (two per decoder layer) make their stream weights with a Sinkhorn
   normalisation of ``hc_sinkhorn_iters`` rounds: ~140 tensor operations of a few microseconds on
@@ -10,8 +11,9 @@ decode graphs (``decode_graphs.py``) do not run: DeepSeek-V4 throughout, and V3'
   past 16, reading every token's experts lost to the loop in the decode graphs of ``small``.
 
 Each piece takes its weights as arguments, so one exported graph, the token count symbolic,
-serves every layer and every step without recompiling; inductor caches it on disk. v4-tiny, one
-user: 15.7 -> 11.3 ms per token (``make profile-decode``; the mixing alone: 15.1 -> 12.1).
+serves every layer and every step without recompiling; inductor caches it on disk. Before V4
+had a decode graph, they took v4-tiny's one-user decode from 15.7 to 11.3 ms per token
+(``make profile-decode``; the mixing alone: 15.1 -> 12.1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
@@ -39,10 +38,12 @@ def test_a_compiled_step_counts_into_the_bucket_being_filled() -> None:
         each.end_step()
     assert torch.equal(graph.window(), each.window())
     assert graph.window().sum() == 3 * ids.numel()
+    # a hash-routed layer's row counts from the tokens (DeepSeek-V4's graph leaves it at 0)
     hashed = ExpertLoad(3, 6)
-    hashed.count_by_token({1: torch.zeros(10, 2, dtype=torch.long)})
-    with pytest.raises(ValueError, match="count from tokens"):
-        hashed.counts_buffer(torch.device("cpu"))
+    hashed.count_by_token({1: torch.tensor([[0, 1]] * 10)})
+    hashed.counts_buffer(torch.device("cpu")).view(3, 6)[2, 4] += 5
+    hashed.add_tokens(torch.tensor([3, 3, 7]))
+    assert hashed.window().tolist() == [[0] * 6, [3, 3, 0, 0, 0, 0], [0, 0, 0, 0, 5, 0]]
 
 
 def test_engine_counts_every_routed_token() -> None:

@@ -12,16 +12,18 @@ from ferry.kernels.fused_moe.reference import fused_moe_torch
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model.layers import MoE
 from ferry.services.engine.model.layers_v4 import HyperConnection
+from ferry.services.engine.piece_graphs import compile_pieces
 
 MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
 def compiled() -> Engine:
-    config = EngineConfig(
-        model="v4-tiny", num_kv_blocks=96, enforce_eager=False, max_graph_batch=MAX_BATCH
-    )
-    return Engine(config)
+    """An eager engine given the pieces, as the engine gives them to the steps its decode
+    graphs do not take (test_decode_graphs_v4.py has those)."""
+    engine = Engine(EngineConfig(model="v4-tiny", num_kv_blocks=96, enforce_eager=True))
+    assert compile_pieces(engine.model, MAX_BATCH) == 2
+    return engine
 
 
 def _hyper_connections(engine: Engine) -> list[HyperConnection]:

@@ -3,7 +3,7 @@ counting expert load, the routing-skew test knob, the idle MoE pass, and the log
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.config_v4 import AnyModelConfig
-from ferry.services.engine.model.forward_batch import AttentionPath
+from ferry.services.engine.model.forward_batch import AttentionPath, GraphStep
 from ferry.services.engine.model.layers import HashRouter, MoE
 
 
@@ -61,18 +61,33 @@ class MoECausalLM(nn.Module):
     # whether ``decode_graph`` exists: a decode step a graph can capture (decode_graphs.py)
     has_decode_graph = False
 
-    def decode_graph(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        kv_rows: torch.Tensor,
-        expert_counts: torch.Tensor,
-        block_size: int,
-    ) -> torch.Tensor:
-        """One new token per sequence with static structure (DeepseekV3ForCausalLM's says how):
-        float32 logits [B, vocab]; each MoE layer's choices added into ``expert_counts``."""
+    def graph_inputs(self, kv_cache: Any) -> tuple[torch.Tensor, ...]:
+        """``kv_cache``'s tensors as a decode graph takes them (and writes into them)."""
         raise NotImplementedError
+
+    def decode_graph(
+        self, step: GraphStep, kv_cache: Any, inputs: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """One new token per sequence with static structure: no host sync, no Python that
+        depends on the data. ``inputs``: ``graph_inputs(kv_cache)``, or a graph's inputs
+        standing for them (``kv_cache`` gives only their layout). Returns float32 logits
+        [B, vocab]; adds each learned MoE layer's choices into ``step.expert_counts`` (the
+        hash-routed ones count from the tokens, ``ExpertLoad.add_tokens``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def count_choices(
+        step: GraphStep, choices: Sequence[torch.Tensor | None], experts: int
+    ) -> None:
+        """Add each MoE layer's logical choices [B, top_k] (None: not counted here) into
+        ``step.expert_counts``. A comparison summed, which inductor fuses into one loop:
+        ``index_add_`` was a fallback call of ~70 us, 6% of tiny's step at batch 1."""
+        ids = torch.arange(experts, device=step.expert_counts.device)
+        rows = [
+            torch.zeros_like(ids) if c is None else (c[..., None] == ids).sum((0, 1))
+            for c in choices
+        ]
+        step.expert_counts.add_(torch.stack(rows).reshape(-1))
 
     def moe_layers(self) -> list[MoE]:
         mlps = (getattr(layer, "mlp", None) for layer in self.decoder_layers())

@@ -16,7 +16,7 @@ from torch import nn
 
 from ferry import kernels as ops
 from ferry.services.engine.model.config_v4 import V4ModelConfig
-from ferry.services.engine.model.kv_cache_v4 import CompressorCache
+from ferry.services.engine.model.kv_cache_v4 import CompressorCache, Paged, Ring
 from ferry.services.engine.model.rope import V4Rope
 
 NEG_INF = float("-inf")
@@ -198,34 +198,38 @@ class Compressor(nn.Module):
         cos, sin = rope.cos_sin(w * m, "compress", pooled.dtype)
         return V4Rope.rotate(pooled[:, None], cos, sin)[:, 0]
 
-    def decode_entries(
-        self, x: torch.Tensor, step: DecodeStep, cache: CompressorCache, rope: V4Rope
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``entries`` for B sequences of one new token each, at once: their rows x [B, hidden]
-        join their rings, the windows they complete are pooled into their blocks. Returns
-        every entry so far, padded [B, most, dim], and which are real [B, most]."""
+    def decode_append(
+        self, x: torch.Tensor, step: DecodeStep, cache: tuple[Paged, Ring], rope: V4Rope
+    ) -> None:
+        """``entries``' writes for B sequences of one new token each, at once: their rows x
+        [B, hidden] join their rings, the windows they close are pooled into their blocks.
+
+        No shape or branch depends on the data, so a graph can hold it: every sequence pools
+        its newest window, and only those this token closed keep the entry."""
         m, width = self.rate, self.kv_proj.out_features
-        ring_size = cache.rows.shape[1]
+        entries, ring = cache
         pos, slots = step.positions, step.slots
-        rows = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1)
-        cache.rows[slots, pos % ring_size] = rows.to(cache.rows.dtype)
-        entries, per_block = cache.entries, cache.entries.shape[1]
-        done = ((pos + 1) % m == 0).nonzero()[:, 0]
-        if done.numel():  # these close window w: its rows (and the window before) are in the ring
-            w = (pos[done] + 1) // m - 1
-            at = w[:, None] * m + torch.arange(m, device=x.device)  # [N, m] positions
-            ring = cache.rows[slots[done]]  # [N, ring rows, 2 * width]
-            cur = ring.gather(1, (at % ring_size)[..., None].expand(-1, -1, ring.shape[-1]))
-            prev = ring.gather(1, ((at - m) % ring_size)[..., None].expand(-1, -1, ring.shape[-1]))
-            pooled = self._pool_windows(
-                cur[..., :width], cur[..., width:], prev[..., :width], prev[..., width:], w, rope
-            )
-            blocks = step.block_tables[done].gather(1, (w // per_block)[:, None])[:, 0]
-            entries[blocks, w % per_block] = pooled
-        count = (pos + 1) // m
-        e = torch.arange(int(count.max()), device=x.device)
-        index = step.block_tables.gather(1, (e // per_block)[None, :].expand(len(pos), -1))
-        return entries[index, (e % per_block)[None, :]], e[None, :] < count[:, None]
+        ring.write(slots, pos, torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1))
+        w = ((pos + 1) // m - 1).clamp(min=0)
+        at = w[:, None] * m + torch.arange(m, device=x.device)  # [B, m] positions
+        cur, prev = ring.read(slots[:, None], at), ring.read(slots[:, None], at - m)
+        pooled = self._pool_windows(
+            cur[..., :width], cur[..., width:], prev[..., :width], prev[..., width:], w, rope
+        )
+        per_block = entries.per_block
+        blocks = step.block_tables.gather(1, (w // per_block)[:, None])[:, 0]
+        entries.write(blocks, w % per_block, pooled, keep=(pos + 1) % m == 0)
+
+    def decode_entries(
+        self, x: torch.Tensor, step: DecodeStep, cache: tuple[Paged, Ring], rope: V4Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_append``, then every entry the block tables [B, W] can hold,
+        [B, W * entries per block, dim], and which are real [B, W * entries per block]."""
+        self.decode_append(x, step, cache, rope)
+        tables = step.block_tables
+        e = torch.arange(tables.shape[1] * cache[0].per_block, device=x.device)
+        real = e[None, :] < ((step.positions + 1) // self.rate)[:, None]
+        return cache[0].read(tables, e[None, :].expand(tables.shape[0], -1)), real
 
     def visible(self, positions: torch.Tensor, num_entries: int) -> torch.Tensor:
         """[n, num_entries] bool: entry w holds tokens up to (w + 1) * rate - 1, so query t
@@ -286,22 +290,18 @@ class Indexer(Compressor):
         x: torch.Tensor,
         q_residual: torch.Tensor,
         step: DecodeStep,
-        cache: CompressorCache,
+        cache: tuple[Paged, Ring],
         rope: V4Rope,
     ) -> torch.Tensor:
-        """``pick`` for B sequences of one new token each: [B, most] bool, the chosen of each
-        one's entries (all of which it sees)."""
+        """``pick`` for B sequences of one new token each, over ``decode_entries``' columns:
+        [B, min(index_topk, columns)] int64, -1 where fewer are visible."""
         keys, real = self.decode_entries(x, step, cache, rope)
-        if keys.shape[1] == 0:
-            return real
         n, d = x.shape[0], self.head_dim
         q = self.q_b_proj(q_residual).view(n, self.heads, d)
         q = V4Rope.rotate(q, *rope.cos_sin(step.positions, "compress", q.dtype))
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [B, heads]
-        picks = ops.indexer_topk(q, weights, keys, real.sum(dim=1), min(self.topk, keys.shape[1]))
-        chosen = torch.zeros(n, keys.shape[1] + 1, dtype=torch.bool, device=x.device)
-        chosen.scatter_(1, torch.where(picks >= 0, picks, keys.shape[1]), True)
-        return chosen[:, :-1]  # the last column took the -1 picks
+        k = torch.sym_min(self.topk, keys.shape[1])  # (no guard on a graph's symbolic width)
+        return ops.indexer_topk(q, weights, keys, real.sum(dim=1), k)
 
 
 class CSACompressor(Compressor):

@@ -11,7 +11,7 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
 from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.model.forward_batch import DecodeQueries, ForwardBatch
+from ferry.services.engine.model.forward_batch import DecodeQueries, ForwardBatch, GraphStep
 from ferry.services.engine.model.layers import MLP, MLAAttention, MoE, RMSNorm
 from ferry.services.engine.model.rope import RotaryEmbedding
 
@@ -126,30 +126,25 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         x, _ = self.model.norm.add_forward(x, residual)
         return x
 
+    def graph_inputs(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The cache as [tokens, dim] rows: the graph writes into its input itself (through a
+        view, it would copy the whole cache)."""
+        return (kv_cache.view(-1, kv_cache.shape[-1]),)
+
     def decode_graph(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        kv_rows: torch.Tensor,
-        expert_counts: torch.Tensor,
-        block_size: int,
+        self, step: GraphStep, kv_cache: torch.Tensor, inputs: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
-        """One new token per sequence, as a graph can capture it: no host sync, no Python that
-        depends on the data, shapes from the inputs alone. input_ids, positions: [B];
-        block_tables: [B, W] (padded with any valid block; W * block_size may pass the longest
-        context; the token's slot and the context length follow from them); kv_rows: ``allocate_kv_cache``'s tensor as [tokens, dim] rows (the
-        graph writes into its input itself: through a view, it would copy the whole cache).
-        Returns float32 logits [B, vocab]; adds each MoE layer's logical choices into
-        ``expert_counts`` ([num_moe_layers * n_routed_experts], ExpertLoad's bucket: counted
-        here, the step leaves no host work behind; V3 has no hash-routed layers)."""
+        """``MoECausalLM.decode_graph``: the token's slot and the context length follow from
+        its position and block table."""
+        (kv_rows,) = inputs
+        positions, block_tables, block_size = step.positions, step.block_tables, step.block_size
         dim = kv_rows.shape[-1]
         num_blocks = kv_rows.shape[0] // (self.config.num_hidden_layers * block_size)
         blocks = kv_rows.view(-1, block_size, dim)
         seq_lens = positions + 1
         own_block = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
         slot_mapping = own_block * block_size + positions % block_size
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(step.input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         residual: torch.Tensor | None = None
         routed = []
@@ -171,10 +166,5 @@ class DeepseekV3ForCausalLM(MoECausalLM):
                 routed.append(ids)
         assert residual is not None
         x, _ = self.model.norm.add_forward(x, residual)
-        choices = torch.stack(routed)  # [num_moe_layers, B, top_k]
-        # a comparison summed, which inductor fuses into one loop: index_add_ was a fallback
-        # call of ~70 us, 6% of tiny's step at batch 1
-        experts = torch.arange(self.config.n_routed_experts, device=choices.device)
-        hits = (choices[..., None] == experts).sum((1, 2))  # [num_moe_layers, experts]
-        expert_counts += hits.reshape(-1)
+        self.count_choices(step, routed, self.config.n_routed_experts)
         return self.compute_logits(x)

@@ -11,10 +11,15 @@ from torch import nn
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.compressors_v4 import Sequence, V4Batch, V4RMSNorm
+from ferry.services.engine.model.compressors_v4 import DecodeStep, Sequence, V4Batch, V4RMSNorm
 from ferry.services.engine.model.config_v4 import V4ModelConfig
-from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
-from ferry.services.engine.model.kv_cache_v4 import LayerCache, V4KVCache, v4_cache_spec
+from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch, GraphStep
+from ferry.services.engine.model.kv_cache_v4 import (
+    DecodeLayerCache,
+    LayerCache,
+    V4KVCache,
+    v4_cache_spec,
+)
 from ferry.services.engine.model.layers_v4 import HyperConnection, HyperHead, V4Attention, V4MoE
 from ferry.services.engine.model.rope import V4Rope
 
@@ -63,6 +68,25 @@ class V4DecoderLayer(nn.Module):
         x = self.mlp(self.post_attention_layernorm(x), input_ids)
         return HyperConnection.expand(streams, x, post, comb)
 
+    def decode_in_graph(
+        self,
+        streams: torch.Tensor,
+        input_ids: torch.Tensor,
+        step: DecodeStep,
+        cache: DecodeLayerCache,
+        rope: V4Rope,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` for one token per sequence in a captured graph; also returns a learned
+        MoE layer's logical choices, which the caller counts (None for a hash-routed one)."""
+        post, comb, x = self.attn_hc(streams)
+        x = self.self_attn.decode(self.input_layernorm(x), step, cache, rope)
+        streams = HyperConnection.expand(streams, x, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        h = self.post_attention_layernorm(x)
+        weights, ids = self.mlp.route(h, input_ids)
+        x = self.mlp.apply_experts(h, weights, ids)
+        return HyperConnection.expand(streams, x, post, comb), None if self.mlp.hashed else ids
+
 
 class DeepseekV4Model(nn.Module):
     def __init__(self, config: V4ModelConfig, placement: ExpertPlacement) -> None:
@@ -81,6 +105,7 @@ class DeepseekV4ForCausalLM(MoECausalLM):
     of those into float32 logits."""
 
     config: V4ModelConfig
+    has_decode_graph = True
 
     # every sequence takes the one path (window ∪ compressed entries, sinks), decode included
     attention_path: AttentionPath = "expanded"
@@ -122,6 +147,29 @@ class DeepseekV4ForCausalLM(MoECausalLM):
             cache = kv_cache.layer(layer_id)
             streams = layer(streams, input_ids, batch.positions, parts, cache, self.rope)
         return self.model.norm(self.model.hc_head(streams))
+
+    def graph_inputs(self, kv_cache: V4KVCache) -> tuple[torch.Tensor, ...]:
+        return kv_cache.graph_inputs()
+
+    def decode_graph(
+        self, step: GraphStep, kv_cache: V4KVCache, inputs: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """``MoECausalLM.decode_graph``: each sequence reads and extends its state slot
+        (``step.slots``) and its blocks. Snapshots of the slots are the caller's, after."""
+        layers = kv_cache.decode_layers(inputs)
+        rows = torch.arange(step.input_ids.shape[0], device=step.input_ids.device)
+        dec = DecodeStep(rows, step.positions, step.slots, step.block_tables, [])
+        streams = self.model.embed_tokens(step.input_ids)[:, None, :]
+        streams = streams.expand(-1, self.config.hc_mult, -1).contiguous()
+        routed = []
+        layer: V4DecoderLayer
+        for layer_id, layer in enumerate(self.model.layers):  # type: ignore[assignment]
+            streams, ids = layer.decode_in_graph(
+                streams, step.input_ids, dec, layers[layer_id], self.rope
+            )
+            routed.append(ids)
+        self.count_choices(step, routed, self.config.n_routed_experts)
+        return self.compute_logits(self.model.norm(self.model.hc_head(streams)))
 
 
 def _sequences(batch: ForwardBatch) -> list[Sequence]:

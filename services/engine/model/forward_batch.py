@@ -49,6 +49,20 @@ class DecodeQueries:
 
 
 @dataclass(frozen=True)
+class GraphStep:
+    """A decode step as a captured graph takes it: one new token per sequence, every shape from
+    the inputs, no host sync (``MoECausalLM.decode_graph``)."""
+
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]: the new token's; the context is positions + 1 tokens
+    slots: torch.Tensor  # [B] state slots (models with state; ignored by the others)
+    # [B, W] blocks, padded with any valid block: W * block_size may pass the longest context
+    block_tables: torch.Tensor
+    expert_counts: torch.Tensor  # [num_moe_layers * n_routed_experts] int64, added into
+    block_size: int
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset

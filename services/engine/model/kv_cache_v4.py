@@ -58,12 +58,85 @@ class CompressorCache:
 
 
 @dataclass(frozen=True)
+class Ring:
+    """One layer's part of a ring tensor, as the decode path writes it: ``rows`` is the whole
+    tensor as [layers * slots * size, dim] rows, written by row number (a captured graph writes
+    into its input in place; through a view of it, it would copy the whole tensor)."""
+
+    rows: torch.Tensor
+    layer: int
+    num_slots: int
+    size: int
+
+    def row(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return (self.layer * self.num_slots + slots) * self.size + positions % self.size
+
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Position ``positions[b]`` of slot ``slots[b]`` := ``values[b]``."""
+        self.rows[self.row(slots, positions)] = values.to(self.rows.dtype)
+
+    def read(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows of ``positions`` [B, n] of ``slots`` [B, 1]: [B, n, dim]."""
+        return self.rows[self.row(slots, positions)]
+
+    def slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every row of ``slots`` [B], ring order: [B, size, dim]."""
+        per_layer = self.num_slots * self.size
+        view = self.rows[self.layer * per_layer : (self.layer + 1) * per_layer]
+        return view.view(self.num_slots, self.size, -1)[slots]
+
+
+@dataclass(frozen=True)
+class Paged:
+    """One layer's entries of a paged group in ``flat``, every block's elements in a row (the
+    blocks buffer in the cache's dtype): entry e of block b starts at element
+    ``b * block_elems + offset + e * dim``. Written by element, read through a view."""
+
+    flat: torch.Tensor
+    block_elems: int
+    offset: int
+    per_block: int
+    dim: int
+
+    @property
+    def entries(self) -> torch.Tensor:
+        """[blocks, per_block, dim], a view."""
+        run = self.per_block * self.dim
+        blocks = self.flat.view(-1, self.block_elems)[:, self.offset : self.offset + run]
+        return blocks.view(-1, self.per_block, self.dim)
+
+    def write(
+        self, blocks: torch.Tensor, at: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+    ) -> None:
+        """Entry ``at[b]`` of block ``blocks[b]`` := ``values[b]`` where ``keep[b]``, else as
+        it was (a graph writes every row: which ones count is data)."""
+        values = torch.where(keep[:, None], values.to(self.flat.dtype), self.entries[blocks, at])
+        first = blocks * self.block_elems + self.offset + at * self.dim
+        self.flat[first[:, None] + torch.arange(self.dim, device=first.device)] = values
+
+    def read(self, block_tables: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Entries ``entries`` [B, n] (ids >= 0) of each table [B, W] of blocks: [B, n, dim]."""
+        index = block_tables.gather(1, entries // self.per_block)
+        return self.entries[index, entries % self.per_block]
+
+
+@dataclass(frozen=True)
+class DecodeLayerCache:
+    """One layer's cache as the decode path (and a graph of it) reads and writes it."""
+
+    swa: Ring
+    compressor: tuple[Paged, Ring] | None
+    indexer: tuple[Paged, Ring] | None
+
+
+@dataclass(frozen=True)
 class LayerCache:
     swa: torch.Tensor  # [slots, sliding_window, head_dim]
     compressor: CompressorCache | None
     indexer: CompressorCache | None
     # (this layer's ring in slots, its snapshots) for each ring a snapshot copies
     snapshot_pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    decode: DecodeLayerCache | None = None
 
     def save(self, slot: int, snapshot: int) -> None:
         """Copy ``slot``'s rings of this layer into ``snapshot``."""
@@ -91,6 +164,10 @@ class V4KVCache:
             num_blocks, spec.bytes_per_block(block_size, itemsize), dtype=torch.uint8, device=device
         )
         self.tensors: dict[str, torch.Tensor] = {}
+        # the blocks as elements of ``dtype``, and where each group's layer 0 starts in a block
+        self.flat = self.blocks.view(dtype).view(-1)
+        self.block_elems = self.blocks.shape[1] // itemsize
+        self.group_offsets: dict[str, int] = {}
         at = 0
         for g in spec.groups:
             entries = block_size // g.tokens_per_entry
@@ -99,6 +176,7 @@ class V4KVCache:
             self.tensors[g.name] = part.view(num_blocks, g.num_layers, entries, g.dim).transpose(
                 0, 1
             )
+            self.group_offsets[g.name] = at // itemsize
             at += size
         self.rings = [r.name for r in spec.rings]
         self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
@@ -111,7 +189,8 @@ class V4KVCache:
         self._csa = {layer: i for i, layer in enumerate(config.layer_ids(CSA))}
         self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
         # the views each layer reads, made once: the tensors never move
-        self.layers = [self._layer(i) for i in range(config.num_hidden_layers)]
+        decode = self.decode_layers(self.graph_inputs())
+        self.layers = [self._layer(i, decode[i]) for i in range(config.num_hidden_layers)]
 
     @property
     def transfer(self) -> torch.Tensor:
@@ -140,7 +219,39 @@ class V4KVCache:
     def layer(self, layer_id: int) -> LayerCache:
         return self.layers[layer_id]
 
-    def _layer(self, layer_id: int) -> LayerCache:
+    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What a decode graph reads and writes: the blocks as elements (``flat``), then each
+        ring (``rings``' order) as rows [layers * slots * rows, dim]."""
+        rings = (self.tensors[n] for n in self.rings)
+        return (self.flat, *(r.view(-1, r.shape[-1]) for r in rings))
+
+    def decode_layers(self, inputs: tuple[torch.Tensor, ...]) -> list[DecodeLayerCache]:
+        """Every layer's ``DecodeLayerCache`` over ``inputs`` (``graph_inputs``' tensors, or a
+        graph's inputs standing for them)."""
+        flat, rings = inputs[0], dict(zip(self.rings, inputs[1:], strict=True))
+
+        def ring(name: str, layer: int) -> Ring:
+            return Ring(rings[name], layer, self.num_slots, self.tensors[name].shape[2])
+
+        def paged(name: str, layer: int) -> Paged:
+            _, _, per_block, dim = self.tensors[name].shape
+            offset = self.group_offsets[name] + layer * per_block * dim
+            return Paged(flat, self.block_elems, offset, per_block, dim)
+
+        out = []
+        for layer_id in range(self.config.num_hidden_layers):
+            compressor = indexer = None
+            if layer_id in self._csa:
+                i = self._csa[layer_id]
+                compressor = (paged("csa_kv", i), ring("csa_rows", i))
+                indexer = (paged("csa_index", i), ring("index_rows", i))
+            elif layer_id in self._hca:
+                i = self._hca[layer_id]
+                compressor = (paged("hca_kv", i), ring("hca_rows", i))
+            out.append(DecodeLayerCache(ring("swa", layer_id), compressor, indexer))
+        return out
+
+    def _layer(self, layer_id: int, decode: DecodeLayerCache) -> LayerCache:
         t = self.tensors
         index = {"swa": layer_id}
         compressor = indexer = None
@@ -152,7 +263,12 @@ class V4KVCache:
             i = self._hca[layer_id]
             compressor = CompressorCache(t["hca_kv"][i], t["hca_rows"][i])
         pairs = tuple((t[n][i], t["snap_" + n][i]) for n, i in index.items())
-        return LayerCache(t["swa"][layer_id], compressor, indexer, pairs)
+        return LayerCache(t["swa"][layer_id], compressor, indexer, pairs, decode)
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """Copy ``slot``'s rings into ``snapshot``, every layer (``LayerCache.save``'s)."""
+        for name in self.snapshot_rings:
+            self.tensors["snap_" + name][:, snapshot].copy_(self.tensors[name][:, slot])
 
     def restore(self, snapshot: int, slot: int) -> None:
         """Continue ``slot`` from ``snapshot``: copy its rings back, every layer."""

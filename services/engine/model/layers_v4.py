@@ -36,7 +36,7 @@ from ferry.services.engine.model.compressors_v4 import (
     ring_rows,
 )
 from ferry.services.engine.model.config_v4 import CSA, HCA, V4ModelConfig
-from ferry.services.engine.model.kv_cache_v4 import LayerCache
+from ferry.services.engine.model.kv_cache_v4 import DecodeLayerCache, LayerCache
 from ferry.services.engine.model.layers import MLP, HashRouter, MoE, Router
 from ferry.services.engine.model.rope import V4Rope
 
@@ -171,22 +171,13 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden] (the normed block input) -> [T, hidden]; reads and extends each
         sequence's part of this layer's ``cache``."""
-        n = x.shape[0]
-        cos, sin = rope.cos_sin(positions, self.table, x.dtype)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_norm(self.q_b_proj(q_residual).view(n, self.heads, self.head_dim))
-        q = V4Rope.rotate(q, cos, sin)
-        kv = V4Rope.rotate(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]
+        q, kv, q_residual, cos, sin = self._project(x, positions, rope)
         out = torch.empty_like(q)
         step = batch.decode
         if step is not None:  # decode tokens: one batched pass
             i = step.rows
-            keys, seen = self._decode_context(x[i], kv[i], q_residual[i], step, cache, rope)
-            pool = keys.reshape(-1, keys.shape[-1])  # query b's keys are rows b * S ..
-            offsets = torch.arange(len(keys), device=x.device)[:, None] * keys.shape[1]
-            indices = _indices(seen)
-            indices = torch.where(indices >= 0, indices + offsets, indices)
-            out[i] = ops.sparse_mqa(q[i], pool, indices, self.sinks, self.softmax_scale)
+            assert cache.decode is not None
+            out[i] = self._decode(q[i], x[i], kv[i], q_residual[i], step, cache.decode, rope)
             for slot, snap in step.snapshots:
                 cache.save(slot, snap)
         for seq in batch.chunks:  # prefill chunks, one at a time
@@ -196,8 +187,33 @@ class V4Attention(nn.Module):
                 out[r] = ops.sparse_mqa(q[r], keys, _indices(seen), self.sinks, self.softmax_scale)
                 if snapshot is not None:
                     cache.save(piece.slot, snapshot)
+        return self._output(out, cos, sin)
+
+    def decode(
+        self, x: torch.Tensor, step: DecodeStep, cache: DecodeLayerCache, rope: V4Rope
+    ) -> torch.Tensor:
+        """``forward`` for a batch of decode tokens only, as a graph holds it (no snapshots:
+        the caller takes them after the step)."""
+        q, kv, q_residual, cos, sin = self._project(x, step.positions, rope)
+        out = self._decode(q, x, kv, q_residual, step, cache, rope)
+        return self._output(out, cos, sin)
+
+    def _project(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: V4Rope
+    ) -> tuple[torch.Tensor, ...]:
+        """(rotated queries [T, heads, head_dim], rotated K = V rows [T, head_dim], the
+        queries' low-rank residual, cos, sin)."""
+        n = x.shape[0]
+        cos, sin = rope.cos_sin(positions, self.table, x.dtype)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_norm(self.q_b_proj(q_residual).view(n, self.heads, self.head_dim))
+        q = V4Rope.rotate(q, cos, sin)
+        kv = V4Rope.rotate(self.kv_norm(self.kv_proj(x))[:, None], cos, sin)[:, 0]
+        return q, kv, q_residual, cos, sin
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         out = V4Rope.rotate(out, cos, -sin)
-        return self.o_b_proj(self.o_a_proj(out.view(n, self.o_groups, -1)))
+        return self.o_b_proj(self.o_a_proj(out.view(out.shape[0], self.o_groups, -1)))
 
     def _context(
         self,
@@ -233,31 +249,45 @@ class V4Attention(nn.Module):
             visible = chosen[:, :spare]
         return torch.cat((window, entries)), torch.cat((seen, visible), dim=1)
 
-    def _decode_context(
+    def _decode(
         self,
+        q: torch.Tensor,
         x: torch.Tensor,
         kv: torch.Tensor,
         q_residual: torch.Tensor,
         step: DecodeStep,
-        cache: LayerCache,
+        cache: DecodeLayerCache,
         rope: V4Rope,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_context`` for B sequences of one token each: keys [B, keys, dim] per sequence (its
-        window ring, then its entries, padded) and which each reads [B, keys]."""
-        pos, slots, size = step.positions, step.slots, cache.swa.shape[1]
-        cache.swa[slots, pos % size] = kv.to(cache.swa.dtype)
-        window = cache.swa[slots]  # [B, size, dim]: positions pos - size + 1 .. pos
-        ring_pos = pos[:, None] - (pos[:, None] - torch.arange(size, device=x.device)) % size
-        seen = ring_pos >= 0  # the rows of positions before 0 were never written
-        if self.compressor is None:
-            return window, seen
-        assert cache.compressor is not None
-        entries, visible = self.compressor.decode_entries(x, step, cache.compressor, rope)
-        if isinstance(self.compressor, CSACompressor):  # before any entry too: its rows
-            assert cache.indexer is not None
-            indexer = self.compressor.indexer
-            visible = indexer.decode_pick(x, q_residual, step, cache.indexer, rope)
-        return torch.cat((window, entries), dim=1), torch.cat((seen, visible), dim=1)
+    ) -> torch.Tensor:
+        """Attention for B sequences of one token each. Each reads its window ring and, on
+        CSA layers, the entries its indexer picked, on HCA layers all its entries: a pool
+        [B * keys, dim] of every sequence's keys, and indices [B, k] into it of the rows each
+        reads (-1: none). k is fixed by the shapes, not by how many rows each sees, so a graph
+        can hold it."""
+        pos, slots, size = step.positions, step.slots, self.window
+        cache.swa.write(slots, pos, kv)
+        keys = cache.swa.slots(slots)  # [B, size, dim]: positions pos - size + 1 .. pos
+        col = torch.arange(size, device=x.device)
+        ring_pos = pos[:, None] - (pos[:, None] - col) % size
+        indices = torch.where(ring_pos >= 0, col, -1)  # rows of positions before 0: never written
+        if self.compressor is not None:
+            assert cache.compressor is not None
+            if isinstance(self.compressor, CSACompressor):  # the entries the indexer picks
+                assert cache.indexer is not None
+                self.compressor.decode_append(x, step, cache.compressor, rope)
+                indexer = self.compressor.indexer
+                picks = indexer.decode_pick(x, q_residual, step, cache.indexer, rope)
+                entries = cache.compressor[0].read(step.block_tables, picks.clamp(min=0))
+                real = picks >= 0
+            else:  # every entry
+                entries, real = self.compressor.decode_entries(x, step, cache.compressor, rope)
+            col = torch.arange(size, size + real.shape[1], device=x.device)
+            keys = torch.cat((keys, entries), dim=1)
+            indices = torch.cat((indices, torch.where(real, col, -1)), dim=1)
+        offsets = torch.arange(pos.shape[0], device=x.device)[:, None] * keys.shape[1]
+        indices = torch.where(indices >= 0, indices + offsets, -1)
+        pool = keys.reshape(-1, keys.shape[-1])
+        return ops.sparse_mqa(q, pool, indices, self.sinks, self.softmax_scale)
 
 
 def _indices(seen: torch.Tensor) -> torch.Tensor:
