@@ -7,9 +7,11 @@ step, the model's forward (``StepStats.forward_s``, logits included) and the res
 batch, sampling, output processing). Then ``torch.profiler`` over a few decode steps: how many
 dispatcher operations and matrix products one step launches (a compiled graph's fused C++ loops
 are not operators: only what it hands to ATen/BLAS counts), and which take the CPU time.
+``--batch N``: N such requests decoding together (each user's ms per token is then the step's).
 
     python loadtest/profile_decode.py                   # tiny → profile-decode-tiny.json
-    python loadtest/profile_decode.py --model v4-tiny   # (no graph yet: both eager)
+    python loadtest/profile_decode.py --model v4-tiny   # → profile-decode-v4-tiny.json
+    python loadtest/profile_decode.py --batch 8         # → profile-decode-tiny-b8.json
 """
 
 from __future__ import annotations
@@ -34,26 +36,35 @@ MODES = ("eager", "compiled")  # EngineConfig(enforce_eager=True), and the defau
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::einsum")
 
 
-def decode_steps(engine: Engine, prompt: list[int], tokens: int) -> list[tuple[float, float]]:
-    """(step seconds, forward seconds) of each decode step of one request."""
+def add_requests(engine: Engine, prompt: list[int], batch: int, tokens: int) -> None:
+    """``batch`` requests of ``prompt``, each with its own last token (no prefix hit on it)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request(f"r{time.monotonic_ns()}", prompt, params)
+    for i in range(batch):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", [*prompt[:-1], 2 + i], params)
+
+
+def decode_steps(
+    engine: Engine, prompt: list[int], tokens: int, batch: int
+) -> list[tuple[float, float]]:
+    """(step seconds, forward seconds) of each decode step of ``batch`` requests."""
+    add_requests(engine, prompt, batch, tokens)
     steps = []
     while engine.has_unfinished_requests():
         started = time.perf_counter()
         engine.step()
         total = time.perf_counter() - started
         stats = engine.last_step
-        if stats is not None and stats.num_tokens == 1:  # a decode step
+        if stats is not None and stats.num_tokens == batch == stats.num_seqs:  # a decode step
             steps.append((total, stats.forward_s))
     return steps
 
 
-def op_profile(engine: Engine, prompt: list[int], steps: int) -> dict[str, Any]:
+def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int) -> dict[str, Any]:
     """Operators of ``steps`` decode steps (the prefill before them is left out)."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    engine.add_request("profiled", prompt, params)
-    engine.step()  # the prefill
+    add_requests(engine, prompt, batch, steps + 1)
+    engine.step()
+    while engine.last_step is not None and engine.last_step.num_tokens != batch:
+        engine.step()  # the prefill
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished_requests():
             engine.step()
@@ -82,6 +93,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="", help="default: loadtest/results/profile-decode-MODEL.json")
@@ -94,14 +106,14 @@ def main() -> None:
         started = time.perf_counter()
         engine = Engine(EngineConfig(model=args.model, enforce_eager=mode == "eager"), log=print)
         print(f"{mode}: engine ready in {time.perf_counter() - started:.1f} s")
-        decode_steps(engine, base, 16)  # warm-up (another prompt: no prefix hit below)
+        decode_steps(engine, base, 16, args.batch)  # warm-up (no prefix hit below)
         engines[mode] = engine
     # the modes take turns, a fresh prompt each round: the machine's noise falls on both
     steps: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
     for round_ in range(args.rounds):
         prompt = [(t + round_) % 249 + 1 for t in base[1:]] + [7]
         for mode in MODES:
-            steps[mode] += decode_steps(engines[mode], prompt, args.tokens)
+            steps[mode] += decode_steps(engines[mode], prompt, args.tokens, args.batch)
     result: dict[str, Any] = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -113,12 +125,14 @@ def main() -> None:
         },
         "model": args.model,
         "prompt_len": args.prompt_len,
+        "batch": args.batch,
     }
     for mode in MODES:
         total = [s for s, _ in steps[mode]]
         ms = statistics.median(total) * 1e3
         fwd = statistics.median(f for _, f in steps[mode]) * 1e3
-        ops = op_profile(engines[mode], [t % 248 + 2 for t in base], args.profile_steps)
+        prompt = [t % 248 + 2 for t in base]
+        ops = op_profile(engines[mode], prompt, args.profile_steps, args.batch)
         result[mode] = {
             "decode_steps": len(total),
             "ms_per_token_median": ms,
@@ -141,7 +155,8 @@ def main() -> None:
     result["speedup"] = (
         result["eager"]["ms_per_token_median"] / result["compiled"]["ms_per_token_median"]
     )
-    out = Path(args.out or f"loadtest/results/profile-decode-{args.model}.json")
+    suffix = f"-b{args.batch}" if args.batch > 1 else ""
+    out = Path(args.out or f"loadtest/results/profile-decode-{args.model}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"compiled decode: {result['speedup']:.2f}x eager")
