@@ -36,6 +36,9 @@ class EngineConfig:
         default_factory=lambda: os.environ.get("FERRY_ENFORCE_EAGER", "0") == "1"
     )
     max_graph_batch: int = 16
+    # False: no decode graphs (a prefill worker never decodes), but the eager steps still get
+    # their compiled pieces (piece_graphs.py) unless ``enforce_eager``
+    decode_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:

@@ -134,6 +134,7 @@ class Engine:
         # the same graphs would be captured as CUDA graphs; only the CPU build exists so far.
         if (
             not config.enforce_eager
+            and config.decode_graphs
             and self.model.has_decode_graph
             and ep_group is None
             and self.model.device.type == "cpu"

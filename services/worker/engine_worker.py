@@ -77,11 +77,12 @@ class EngineWorker(Service):
     @classmethod
     def _engine(cls, config: WorkerConfig) -> Engine:
         """The engine; on a DEP rank, after joining the group (blocks until every rank is up).
-        A prefill worker computes prompts and first tokens only: it compiles no decode graphs."""
+        A prefill worker computes prompts and first tokens only: it compiles no decode graphs,
+        only the pieces of its eager steps (piece_graphs.py)."""
         if config.dep_size == 1:
             engine_config = config.engine
             if cls.role == "prefill":
-                engine_config = dataclasses.replace(engine_config, enforce_eager=True)
+                engine_config = dataclasses.replace(engine_config, decode_graphs=False)
             return Engine(engine_config, log=lambda msg: log.info("warming_up", step=msg))
         group = EPGroup.init(
             config.dep_size, config.dep_rank, config.dep_master, config.dep_timeout_s

@@ -13,6 +13,8 @@ from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model.layers import MoE
 from ferry.services.engine.model.layers_v4 import HyperConnection
 from ferry.services.engine.piece_graphs import compile_pieces
+from ferry.services.prefill_worker.service import PrefillWorker
+from ferry.services.worker.config import WorkerConfig
 
 MAX_BATCH = 4
 
@@ -103,3 +105,15 @@ def test_a_compiled_engine_gives_the_eager_tokens_and_logprobs(compiled: Engine)
                 assert lg[token] == pytest.approx(value, abs=1e-4)
     compiled.check_integrity()
     assert compiled.kv.usage()["in_use"] == 0
+
+
+def test_a_prefill_worker_compiles_its_pieces_and_no_decode_graph() -> None:
+    """A prefill worker never decodes: no decode graphs, but its eager steps (V4's prefill)
+    get the compiled pieces."""
+    config = WorkerConfig(
+        engine=EngineConfig(model="v4-tiny", num_kv_blocks=32, enforce_eager=False)
+    )
+    engine = PrefillWorker._engine(config)
+    assert engine.graphs is None
+    assert all(hc.compiled is not None for hc in _hyper_connections(engine))
+    assert all(m.small_batch is not None for m in engine.model.modules() if isinstance(m, MoE))
