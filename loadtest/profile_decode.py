@@ -37,14 +37,16 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear
 
 
 def add_requests(engine: Engine, prompt: list[int], batch: int, tokens: int) -> None:
-    """``batch`` requests of ``prompt``, each with its own last token (no prefix hit on it)."""
+    """``batch`` requests: ``prompt``, then copies with their own last token (no prefix hit
+    on it)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", [*prompt[:-1], 2 + i], params)
+        tokens_i = [*prompt[:-1], prompt[-1] % 200 + 2 + i] if i else prompt
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", tokens_i, params)
 
 
 def decode_steps(
-    engine: Engine, prompt: list[int], tokens: int, batch: int
+    engine: Engine, prompt: list[int], tokens: int, batch: int = 1
 ) -> list[tuple[float, float]]:
     """(step seconds, forward seconds) of each decode step of ``batch`` requests."""
     add_requests(engine, prompt, batch, tokens)
@@ -59,7 +61,7 @@ def decode_steps(
     return steps
 
 
-def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int) -> dict[str, Any]:
+def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int = 1) -> dict[str, Any]:
     """Operators of ``steps`` decode steps (the prefill before them is left out)."""
     add_requests(engine, prompt, batch, steps + 1)
     engine.step()
