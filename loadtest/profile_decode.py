@@ -64,8 +64,7 @@ def decode_steps(
 def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int = 1) -> dict[str, Any]:
     """Operators of ``steps`` decode steps (the prefill before them is left out)."""
     add_requests(engine, prompt, batch, steps + 1)
-    engine.step()
-    while engine.last_step is not None and engine.last_step.num_tokens != batch:
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()  # the prefill
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished_requests():

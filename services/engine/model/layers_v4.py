@@ -281,9 +281,9 @@ class V4Attention(nn.Module):
                 real = picks >= 0
             else:  # every entry
                 entries, real = self.compressor.decode_entries(x, step, cache.compressor, rope)
-            col = torch.arange(size, size + real.shape[1], device=x.device)
+            after_window = torch.arange(size, size + real.shape[1], device=x.device)
             keys = torch.cat((keys, entries), dim=1)
-            indices = torch.cat((indices, torch.where(real, col, -1)), dim=1)
+            indices = torch.cat((indices, torch.where(real, after_window, -1)), dim=1)
         offsets = torch.arange(pos.shape[0], device=x.device)[:, None] * keys.shape[1]
         indices = torch.where(indices >= 0, indices + offsets, -1)
         pool = keys.reshape(-1, keys.shape[-1])
