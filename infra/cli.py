@@ -501,7 +501,7 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     flags.add(
         p,
         "--decode-nice",
-        5,
+        19,
         "decode workers' CPU priority below the rest (0..19): prompts first on shared cores",
     )
     flags.add(p, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")

@@ -262,7 +262,7 @@ def main() -> None:
         },
         "ferry": {
             "served": "ferry up (defaults: 1 prefill worker on every core, 1 decode worker on "
-            "1 thread at nice 5)"
+            "1 thread at nice 19)"
         },
         "eos": "llama.cpp's ignore_eos bans EOS; Ferry's samples it and goes on (same lengths)",
     }

@@ -4,7 +4,14 @@ Callers on the event loop submit requests and aborts; the thread applies them be
 hands each step's outputs back to the loop. The thread sleeps on a condition variable when there
 is nothing to do (no spinning). A request whose consumer stops iterating is aborted.
 
-The ``Engine`` is single-threaded and private to this class: only the step thread calls it.
+The ``Engine`` is single-threaded and private to this class: the step thread builds it and is the
+only thread that calls it. Building it there matters on the CPU. OpenMP (libgomp) gives every
+thread that runs a parallel torch op a thread pool of its own. Once the pools' threads outnumber
+the cores, its threads stop spinning at barriers and sleep instead. An engine built on the main
+thread left that thread a pool, and every later step on this thread ran ~2x slower: a burst of
+32 prompts took 1.15 s to prefill against 0.58 on 2 threads. So no other thread runs a parallel
+torch op.
+
 What other threads may use is below, each safe for the reason given: the facts fixed at build
 time (``info``), request validation (reads those facts), the KV cache tensor and the hold API
 around it (``kv_holds``: the manager's lock; KV transfers), the prefix-cache events and the
@@ -17,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -85,9 +93,45 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
+def _builder(source: EngineConfig | Engine | Callable[[], Engine] | None) -> Callable[[], Engine]:
+    if isinstance(source, Engine):
+        engine = source
+        return lambda: engine
+    if callable(source):
+        return source
+    return functools.partial(Engine, source)
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | Engine | None = None) -> None:
-        self._engine = engine = config if isinstance(config, Engine) else Engine(config)
+    _engine: Engine
+    _load: EngineLoad  # published by the step thread after every step
+
+    def __init__(self, source: EngineConfig | Engine | Callable[[], Engine] | None = None) -> None:
+        """``source``: what builds the engine on the step thread (an ``EngineConfig``, or a
+        function that returns the ``Engine``), or an ``Engine`` built already (by a test: its
+        builder's thread keeps an OpenMP pool, see above). Returns once the engine is built;
+        raises what building it raised."""
+        self._cv = threading.Condition()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._ids = itertools.count()
+        # structured outputs' grammars compile here, not on the engine's thread
+        self._grammars = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(_builder(source),), name="ferry-engine", daemon=True
+        )
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            self._grammars.shutdown(wait=False)
+            raise self._build_error
+        engine = self._engine
         self.info = EngineInfo(
             engine.model_fingerprint,
             engine.config.dtype,
@@ -97,18 +141,6 @@ class AsyncEngine:
             engine.model.cache_spec(),
             engine.model.config.n_group,
         )
-        self._cv = threading.Condition()
-        self._adds: list[_Add] = []
-        self._aborts: list[str] = []
-        self._streams: dict[str, _Stream] = {}
-        self._stopped = False
-        self._error: BaseException | None = None
-        self._ids = itertools.count()
-        self._load = self._engine.load()
-        # structured outputs' grammars compile here, not on the engine's thread
-        self._grammars = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
-        self._thread = threading.Thread(target=self._loop, name="ferry-engine", daemon=True)
-        self._thread.start()
 
     @property
     def error(self) -> BaseException | None:
@@ -271,8 +303,20 @@ class AsyncEngine:
         self._grammars.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self) -> None:
+    def _run(self, build: Callable[[], Engine]) -> None:
         name_this_thread(self._thread.name)
+        try:
+            engine = build()
+        except BaseException as e:  # the constructor raises it
+            self._build_error = e
+            self._built.set()
+            return
+        self._engine = engine
+        self._load = engine.load()
+        self._built.set()
+        self._loop()
+
+    def _loop(self) -> None:
         try:
             while True:
                 with self._cv:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -58,7 +59,7 @@ class EngineWorker(Service):
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.worker_id = config.service.name_for(self.role)
-        self.engine = AsyncEngine(self._engine(config))
+        self.engine = AsyncEngine(functools.partial(self._engine, config))  # built on its thread
         ENGINES.add(self.worker_id, self.engine)
         svc = config.service
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)

@@ -105,8 +105,38 @@ def test_invalid_request_raises_before_running(engine: AsyncEngine) -> None:
         asyncio.run(main())
 
 
+def test_the_engine_is_built_on_its_step_thread() -> None:
+    """Built where it steps: a pool that another thread's parallel torch ops left behind would
+    make libgomp's threads sleep at every barrier of every step (see async_engine.py)."""
+    built_on: list[str] = []
+
+    def build() -> Engine:
+        built_on.append(threading.current_thread().name)
+        return Engine(EngineConfig(model="tiny", num_kv_blocks=8))
+
+    eng = AsyncEngine(build)
+    try:
+        assert built_on == ["ferry-engine"]
+        assert eng.info.num_kv_blocks == 8
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        tokens, _, reason = asyncio.run(_collect(eng, [1, 2, 3], params))
+        assert len(tokens) == 3 and reason == "length"
+    finally:
+        eng.shutdown()
+
+
+def test_an_engine_that_fails_to_build_raises_from_the_constructor() -> None:
+    def build() -> Engine:
+        raise ValueError("no weights here")
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="no weights here"):
+        AsyncEngine(build)
+    assert "ferry-engine" not in {t.name for t in threading.enumerate()} - before
+
+
 def test_shut_down_engine_refuses() -> None:
-    eng = AsyncEngine(Engine(EngineConfig(model="tiny", num_kv_blocks=8)))
+    eng = AsyncEngine(EngineConfig(model="tiny", num_kv_blocks=8))
     eng.shutdown()
 
     async def main() -> None:

@@ -178,7 +178,7 @@ def test_prefill_workers_split_the_cores_and_decode_workers_run_behind_them() ->
     assert worker("prefill").torch_threads == cores
     assert worker("prefill", "--prefill", "2").torch_threads == max(1, cores // 2)
     assert worker("prefill", "--prefill-torch-threads", "3").torch_threads == 3
-    assert (worker("prefill").nice, worker("decode").nice, worker("aggregated").nice) == (0, 5, 0)
+    assert (worker("prefill").nice, worker("decode").nice, worker("aggregated").nice) == (0, 19, 0)
     decode = worker("decode", "--decode-nice", "0", "--torch-threads", "2")
     assert (decode.nice, decode.torch_threads) == (0, 2)
     assert worker("decode", "--decode-args", "--nice 3").nice == 3  # a role's own flags win
