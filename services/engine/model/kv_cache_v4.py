@@ -57,6 +57,10 @@ class CompressorCache:
     rows: torch.Tensor  # [slots, ring rows, 2 * width]
 
 
+# (entries group, ring, the layer's index in both) of a compressor or an indexer
+_Part = tuple[str, str, int]
+
+
 @dataclass(frozen=True)
 class Ring:
     """One layer's part of a ring tensor, as the decode path writes it: ``rows`` is the whole
@@ -240,29 +244,30 @@ class V4KVCache:
 
         out = []
         for layer_id in range(self.config.num_hidden_layers):
-            compressor = indexer = None
-            if layer_id in self._csa:
-                i = self._csa[layer_id]
-                compressor = (paged("csa_kv", i), ring("csa_rows", i))
-                indexer = (paged("csa_index", i), ring("index_rows", i))
-            elif layer_id in self._hca:
-                i = self._hca[layer_id]
-                compressor = (paged("hca_kv", i), ring("hca_rows", i))
+            compressor, indexer = (
+                None if part is None else (paged(part[0], part[2]), ring(part[1], part[2]))
+                for part in self._parts(layer_id)
+            )
             out.append(DecodeLayerCache(ring("swa", layer_id), compressor, indexer))
         return out
 
+    def _parts(self, layer_id: int) -> tuple[_Part | None, _Part | None]:
+        """Where ``layer_id``'s compressor and indexer keep their entries and rows."""
+        if layer_id in self._csa:
+            i = self._csa[layer_id]
+            return ("csa_kv", "csa_rows", i), ("csa_index", "index_rows", i)
+        if layer_id in self._hca:
+            return ("hca_kv", "hca_rows", self._hca[layer_id]), None
+        return None, None
+
     def _layer(self, layer_id: int, decode: DecodeLayerCache) -> LayerCache:
         t = self.tensors
-        index = {"swa": layer_id}
-        compressor = indexer = None
-        if layer_id in self._csa:
-            i = index["csa_rows"] = index["index_rows"] = self._csa[layer_id]
-            compressor = CompressorCache(t["csa_kv"][i], t["csa_rows"][i])
-            indexer = CompressorCache(t["csa_index"][i], t["index_rows"][i])
-        elif layer_id in self._hca:
-            i = self._hca[layer_id]
-            compressor = CompressorCache(t["hca_kv"][i], t["hca_rows"][i])
-        pairs = tuple((t[n][i], t["snap_" + n][i]) for n, i in index.items())
+        parts = self._parts(layer_id)
+        compressor, indexer = (
+            None if p is None else CompressorCache(t[p[0]][p[2]], t[p[1]][p[2]]) for p in parts
+        )
+        rings = [("swa", layer_id), *((p[1], p[2]) for p in parts if p is not None)]
+        pairs = tuple((t[n][i], t["snap_" + n][i]) for n, i in rings if n in self.snapshot_rings)
         return LayerCache(t["swa"][layer_id], compressor, indexer, pairs, decode)
 
     def save(self, slot: int, snapshot: int) -> None:
