@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from ferry.services.common.server import Service
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
+# kernels.dispatch.BACKENDS, which the CLI cannot import: it loads torch (test_cli compares them)
+KERNEL_BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def _export_preset(args: argparse.Namespace) -> int:
@@ -220,9 +222,10 @@ def cluster_spec(args: argparse.Namespace, worker_cores: int = 0) -> ClusterSpec
         serve_args=serve_args,
         serve_env={
             # the key reaches the gateway in its environment: argv is readable by any user
-            # (OpenMP's default wait policy for prefill threads: PASSIVE, sleeping at every
-            # barrier, made a 500-token prefill ~1.6x slower here, 118 -> 190 ms)
             "gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""},
+            # (no OMP_WAIT_POLICY for the workers: PASSIVE, sleeping at every barrier, made a
+            # 500-token prefill ~1.6x slower here, 118 -> 190 ms)
+            **{role: {"FERRY_KERNELS": args.kernels} for role in WORKER_ROLES},
         },
         tls=certs,
         throwaway_tls=args.tls,
@@ -461,6 +464,14 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     flags.add(p, "--router-skew", 0.0, "test knob: skew expert load on random weights")
     flags.add_switch(
         p, "--enforce-eager", "workers run every step eagerly (no compiled decode graphs)"
+    )
+    flags.add(
+        p,
+        "--kernels",
+        "auto",
+        "the workers' kernels: auto (C on the CPU where an op has one, Triton on CUDA), "
+        "torch (the reference: the fast CPU path off), native, triton",
+        choices=KERNEL_BACKENDS,
     )
     flags.add(
         p, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"

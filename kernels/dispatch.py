@@ -1,12 +1,14 @@
 """One dispatch point for every op the model calls.
 
 Each op registers one implementation per backend (``torch`` is the reference and always present;
-``triton`` kernels are declared with :func:`register_lazy` and imported on first use, so that
-``import kernels`` never imports Triton). The backend is chosen per call from the tensor's device
-— Triton on CUDA, torch elsewhere — unless ``FERRY_KERNELS`` (``torch`` or ``triton``) or
-:func:`set_backend` forces one. Forcing ``triton`` on CPU tensors runs the kernels under Triton's
-interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before they are defined. This is
-the only place in Ferry that reads ``FERRY_KERNELS`` and ``TRITON_INTERPRET``.
+``triton`` kernels, and the ``native`` C kernels some ops have for the CPU, are declared with
+:func:`register_lazy` and imported on first use, so that ``import kernels`` never imports Triton
+nor builds C). The backend is chosen per call from the tensor's device — Triton on CUDA, native
+on the CPU where the op has one, torch elsewhere — unless ``FERRY_KERNELS`` (``torch``,
+``triton`` or ``native``) or :func:`set_backend` forces one; ``FERRY_KERNELS=torch`` is the
+switch that turns the fast CPU path off. Forcing ``triton`` on CPU tensors runs the kernels under
+Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before they are
+defined. This is the only place in Ferry that reads ``FERRY_KERNELS`` and ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
+# the backend "auto" picks on each device type, where the op has it and it loads
+_PREFERRED = {"cuda": "triton", "cpu": "native"}
 _forced: str = os.environ.get("FERRY_KERNELS", "auto").strip().lower() or "auto"
 if _forced not in BACKENDS:
     raise ValueError(f"FERRY_KERNELS={_forced!r}: choose one of {', '.join(BACKENDS)}")
@@ -102,9 +106,12 @@ def resolve(op: str, device: torch.device) -> Callable[..., Any]:
     if not impls:
         raise KeyError(f"no kernel registered for op {op!r}")
     if _forced == "auto":
-        want = "triton" if device.type == "cuda" and _triton_usable(impls) else "torch"
+        fast = _PREFERRED.get(device.type)
+        want = fast if fast is not None and _usable(impls, fast) else "torch"
     else:
         want = _forced
+    if want == "native" and want not in impls:
+        want = "torch"  # forced native: the C kernels where an op has one, torch for the rest
     if want not in impls:
         raise RuntimeError(f"op {op!r} has no {want!r} implementation (FERRY_KERNELS={_forced})")
     if want == "triton" and device.type == "cpu" and not interpreting():
@@ -112,6 +119,11 @@ def resolve(op: str, device: torch.device) -> Callable[..., Any]:
             f"op {op!r}: Triton kernels run on CPU tensors only under Triton's interpreter; set "
             "TRITON_INTERPRET=1 in the environment before the process starts (Triton reads it "
             "when the kernels are defined), or use FERRY_KERNELS=torch"
+        )
+    if want == "native" and device.type != "cpu":
+        raise RuntimeError(
+            f"op {op!r}: the native kernels run on CPU tensors, not {device.type}; use "
+            "FERRY_KERNELS=auto or triton"
         )
     entry = impls[want]
     return implementation(op, want) if isinstance(entry, _Lazy) else entry
@@ -122,10 +134,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _triton_usable(impls: dict[str, Callable[..., Any] | _Lazy]) -> bool:
-    """For "auto": is there a Triton implementation that imports? A broken Triton install falls
-    back to torch with one warning instead of failing every forward."""
-    entry = impls.get("triton")
+def _usable(impls: dict[str, Callable[..., Any] | _Lazy], backend: str) -> bool:
+    """For "auto": is there a ``backend`` implementation that imports? A broken Triton install
+    or a C kernel that does not build falls back to torch with one warning instead of failing
+    every forward."""
+    entry = impls.get(backend)
     if entry is None:
         return False
     if not isinstance(entry, _Lazy):
@@ -144,5 +157,6 @@ def _import(module: str) -> None:
     try:
         importlib.import_module(module)
     except Exception as exc:  # a broken Triton install can raise anything, not only ImportError
-        _unloadable[module] = f"cannot import {module} (is Triton installed?): {exc!r}"
+        hint = " (is Triton installed?)" if module.endswith("triton_kernel") else ""
+        _unloadable[module] = f"cannot import {module}{hint}: {exc!r}"
         raise RuntimeError(_unloadable[module]) from exc

@@ -74,6 +74,22 @@ def test_the_api_key_never_goes_on_a_command_line(tmp_path: Path) -> None:
     assert run.returncode == 2 and "not both" in run.stderr, run.stderr
 
 
+def test_kernels_reach_the_workers_in_their_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry.infra.cli import KERNEL_BACKENDS, build_parser, cluster_spec
+    from ferry.infra.launcher import WORKER_ROLES
+    from ferry.kernels.dispatch import BACKENDS
+
+    assert KERNEL_BACKENDS == BACKENDS
+    monkeypatch.delenv("FERRY_KERNELS", raising=False)
+    spec = cluster_spec(build_parser().parse_args(["up"]))
+    assert all(spec.serve_env[role]["FERRY_KERNELS"] == "auto" for role in WORKER_ROLES)
+    spec = cluster_spec(build_parser().parse_args(["up", "--kernels", "torch"]))
+    assert all(spec.serve_env[role]["FERRY_KERNELS"] == "torch" for role in WORKER_ROLES)
+    assert "FERRY_KERNELS" not in spec.serve_env["gateway"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--kernels", "cuda"])
+
+
 def test_environment_variables_set_flag_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     from ferry.infra.cli import build_parser
 
