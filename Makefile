@@ -10,7 +10,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels bench-cuda-graphs tune-kernels profile-decode profile-served bench-peer chaos simulate test-slow clean redis
+.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels bench-cuda-graphs tune-kernels profile-decode profile-served bench-decode-attention bench-peer chaos simulate test-slow clean redis
 
 setup: redis $(STAMP)
 
@@ -134,6 +134,10 @@ profile-decode: setup
 # SSE): TPOT at each and each process's CPU per token (~3 min here)
 profile-served: setup
 	$(PY) loadtest/profile_served.py $(BENCH_ARGS)
+
+# decode attention on the CPU, the C kernel beside the torch path (~3 min) -> loadtest/results/decode-attention-cpu.json
+bench-decode-attention: setup
+	$(PY) loadtest/bench_decode_attention.py $(BENCH_ARGS)
 
 # Ferry against llama.cpp's llama-server on the same weights (tiny → GGUF): logits, one user
 # in-process, then served at 1/8/32 sessions. Builds llama-server from the llama-cpp-python sdist

@@ -139,6 +139,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add(p, "--router-skew", d.router_skew, "test knob: seeded router bias that skews expert load")
     add_switch(p, "--enforce-eager", "no compiled decode graphs: every step runs eagerly")
     add(p, "--max-graph-batch", d.max_graph_batch, "largest decode batch the compiled graphs run")
+    add(
+        p,
+        "--one-thread-below",
+        d.one_thread_below,
+        "eager steps of fewer new tokens run on one torch thread (0: all on every step)",
+    )
 
 
 def add_eplb_flags(p: argparse.ArgumentParser) -> None:
@@ -313,6 +319,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
         router_skew=args.router_skew,
         enforce_eager=args.enforce_eager,
         max_graph_batch=args.max_graph_batch,
+        one_thread_below=args.one_thread_below,
     )
     return WorkerConfig(
         service=service_config(args),

@@ -198,6 +198,10 @@ def test_prefill_workers_split_the_cores_and_decode_workers_run_behind_them() ->
     decode = worker("decode", "--decode-nice", "0", "--torch-threads", "2")
     assert (decode.nice, decode.torch_threads) == (0, 2)
     assert worker("decode", "--decode-args", "--nice 3").nice == 3  # a role's own flags win
+    # small prefill steps run on one thread; decode and aggregated workers keep theirs
+    ones = [worker(role).one_thread_below for role in ("prefill", "decode", "aggregated")]
+    assert ones == [1024, 0, 0]
+    assert worker("prefill", "--prefill-args", "--one-thread-below 0").one_thread_below == 0
 
 
 def test_ferry_up_refuses_flags_a_worker_would_not_take_before_starting_anything() -> None:

@@ -233,3 +233,28 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(
             assert abs(entry[t] - float(v)) < 1e-4, (i, t)
     assert out.token_ids == plain.token_ids[:2]
     _all_free_or_cached(engine)
+
+
+def test_small_eager_steps_run_on_one_thread() -> None:
+    """``one_thread_below``: a step of fewer new tokens runs on one torch thread, a larger one
+    on the engine's, and the greedy tokens do not change."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        config = EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, one_thread_below=64)
+        engine = Engine(config)
+        seen: list[tuple[int, int]] = []  # (tokens in the step, threads during its forward)
+        engine.model.register_forward_pre_hook(
+            lambda _m, args: seen.append((args[0].numel(), torch.get_num_threads()))
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        small, large = list(range(10, 40)), [(7 * i) % 250 + 1 for i in range(100)]
+        outs = engine.generate([small], params) + engine.generate([large], params)
+        assert (30, 1) in seen and (100, 2) in seen, seen
+        assert all(threads == (1 if n < 64 else 2) for n, threads in seen), seen
+        plain = Engine(replace(config, one_thread_below=0))
+        assert [o.token_ids for o in outs] == [
+            o.token_ids for o in plain.generate([small], params) + plain.generate([large], params)
+        ]
+    finally:
+        torch.set_num_threads(before)
