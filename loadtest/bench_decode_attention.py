@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 from profile_decode import decode_steps
+from sweep import machine_info
 
 from ferry.kernels import dispatch
 from ferry.kernels.mla_decode.native_kernel import mla_decode_native
@@ -108,12 +107,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "torch_threads": args.threads,
-        },
+        "machine": {**machine_info(""), "torch_threads": args.threads},
         "op": {},
     }
     with torch.inference_mode():
