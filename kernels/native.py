@@ -76,8 +76,13 @@ def _cpu() -> bytes:
 
 
 def _build(cc: str, source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise BuildError(
+            f"cannot write to {target.parent} (set FERRY_NATIVE_CACHE): {exc}"
+        ) from exc
     os.close(fd)
     try:
         run = subprocess.run(

@@ -129,7 +129,7 @@ class Engine:
             spec.state_blocks(self.block_size, itemsize),
         )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.torch_threads = torch.get_num_threads()  # a step's, but see one_thread_below
+        self.torch_threads = torch.get_num_threads()  # a step's (see _set_step_threads)
         self.graphs: DecodeGraphs | None = None
         # DEP ranks exchange tokens inside their MoE layers: a graph cannot hold that. On CUDA
         # the same graphs would be captured as CUDA graphs; only the CPU build exists so far.
@@ -367,15 +367,14 @@ class Engine:
             for pos in _prompt_logprob_positions(req, start, n):
                 prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
         snapshots = self._take_snapshots(plan)
-        if not prompt_rows and self._graph_step(plan, len(sampling)):
-            self._use_threads(self.torch_threads)
+        graph = not prompt_rows and self._graph_step(plan, len(sampling))
+        self._set_step_threads(len(input_ids), graph)
+        if graph:
             t0 = time.perf_counter()
             logits = self._forward_graph(plan, input_ids, snapshots)
             forward_s = time.perf_counter() - t0
             self._commit(plan, snapshots)
             return logits, sampling, forward_s
-        small = len(input_ids) < self.config.one_thread_below
-        self._use_threads(1 if small else self.torch_threads)
         device = self.model.device
         batch = ForwardBatch.build(
             plan.num_new_tokens,
@@ -421,10 +420,14 @@ class Engine:
             and all(k == 1 for k in plan.num_new_tokens)
         )
 
-    @staticmethod
-    def _use_threads(n: int) -> None:
-        if torch.get_num_threads() != n:
-            torch.set_num_threads(n)
+    def _set_step_threads(self, num_tokens: int, graph: bool) -> None:
+        """Eager steps of fewer than ``one_thread_below`` tokens run on one torch thread, the
+        rest on the engine's; with ``one_thread_below`` 0 the threads are left alone."""
+        below = self.config.one_thread_below
+        if below:
+            want = 1 if num_tokens < below and not graph else self.torch_threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
 
     def _forward_graph(
         self, plan: StepPlan, input_ids: list[int], snapshots: list[list[tuple[int, int]]]

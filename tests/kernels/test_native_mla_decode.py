@@ -169,3 +169,15 @@ def test_builds_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(native.BuildError, match=r"could not build add\.c"):
         native.load(source)
     native.load.cache_clear()
+
+
+def test_an_unwritable_cache_says_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("FERRY_NATIVE_CACHE", str(blocker / "cache"))  # under a file
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    native.load.cache_clear()
+    with pytest.raises(native.BuildError, match="set FERRY_NATIVE_CACHE"):
+        native.load(source)
+    native.load.cache_clear()
