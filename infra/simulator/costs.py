@@ -29,15 +29,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ferry.infra.simulator.hardware import Hardware
-from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.model.config_v4 import (
-    CSA,
-    HCA,
-    AnyModelConfig,
-    V4ModelConfig,
-    config_from_hf_dict,
-)
 from ferry.services.engine.model.full_size import DEEPSEEK_V3, DEEPSEEK_V4_FLASH
+from ferry.services.engine.model.registry import AnyModelConfig, config_from_hf_dict
+from ferry.services.engine.model.v3.config import ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
 
 if TYPE_CHECKING:
     from ferry.infra.simulator.calibration import Efficiency

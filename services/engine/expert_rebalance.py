@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.layers import MoE
+from ferry.services.engine.model.moe import MoE
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import torch
 
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.config_v4 import AnyModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
 from ferry.services.engine.model.loader import (
     LoaderError,
@@ -19,6 +18,7 @@ from ferry.services.engine.model.loader import (
     read_config,
 )
 from ferry.services.engine.model.presets import PRESETS
+from ferry.services.engine.model.registry import AnyModelConfig
 
 
 def load_model(

@@ -4,7 +4,7 @@ counting expert load, the routing-skew test knob, the idle MoE pass, and the log
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,9 +13,11 @@ from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
-from ferry.services.engine.model.config_v4 import AnyModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, GraphStep
-from ferry.services.engine.model.layers import HashRouter, MoE
+from ferry.services.engine.model.moe import HashRouter, MoE
+
+if TYPE_CHECKING:
+    from ferry.services.engine.model.registry import AnyModelConfig
 
 
 class MoECausalLM(nn.Module):
@@ -25,6 +27,9 @@ class MoECausalLM(nn.Module):
     config: AnyModelConfig
     lm_head: nn.Linear
     attention_path: AttentionPath = "auto"  # how the engine builds its ForwardBatch
+    # parameters the loader keeps in float32 whatever the model's dtype: a dotted name holding
+    # one of these parts (the MoE routers are float32 in every family)
+    keep_fp32: tuple[str, ...] = ()
 
     def __init__(self, config: AnyModelConfig, placement: ExpertPlacement | None) -> None:
         """``placement``: which experts this rank holds; None: every one, once."""
@@ -81,7 +86,7 @@ class MoECausalLM(nn.Module):
     ) -> None:
         """Add each MoE layer's logical choices [B, top_k] (None: not counted here) into
         ``step.expert_counts``. A comparison summed, which inductor fuses into one loop:
-        ``index_add_`` was a fallback call of ~70 us, 6% of tiny's step at batch 1."""
+        ``index_add_`` is a fallback call out of the compiled code."""
         ids = torch.arange(experts, device=step.expert_counts.device)
         rows = [
             torch.zeros_like(ids) if c is None else (c[..., None] == ids).sum((0, 1))

@@ -3,8 +3,8 @@ transfers by when no full-size checkpoint is at hand."""
 
 from __future__ import annotations
 
-from ferry.services.engine.model.config import ModelConfig
-from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, V4ModelConfig
+from ferry.services.engine.model.v3.config import ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, SLIDING, V4ModelConfig
 
 # DeepSeek-V3 (and R1, V3.1: the same shapes), as its config.json gives them
 DEEPSEEK_V3 = ModelConfig(

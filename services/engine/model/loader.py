@@ -1,6 +1,7 @@
 """Weights: HF safetensors checkpoints (one file or an index of shards, bf16/fp32 or FP8 e4m3
 block-quantized, FP4 routed experts), the seeded presets, and export of a preset as a checkpoint.
-DeepSeek-V3 and DeepSeek-V4 alike: the config says which model to build.
+Every family alike: the config's ``model_type`` picks the family (``registry``), whose model class
+is built and whose ``checkpoint_names`` say which tensors to expect and how they are named.
 
 Every error names the file and the tensor at fault; none is a bare KeyError.
 """
@@ -20,15 +21,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model import checkpoint_names_v4 as v4_names
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.checkpoint_names import EXPERT_RE, checkpoint_shapes, is_ignored
 from ferry.services.engine.model.config import ConfigError
-from ferry.services.engine.model.config_v4 import AnyModelConfig, V4ModelConfig, config_from_hf_dict
-from ferry.services.engine.model.deepseek_v3 import DeepseekV3ForCausalLM
-from ferry.services.engine.model.deepseek_v4 import KEEP_FP32, DeepseekV4ForCausalLM
-from ferry.services.engine.model.layers import MoE
+from ferry.services.engine.model.moe import MoE
 from ferry.services.engine.model.presets import PRESETS, Preset
+from ferry.services.engine.model.registry import (
+    AnyModelConfig,
+    CheckpointNames,
+    config_from_hf_dict,
+    family_of,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,6 +41,8 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 FP4_BLOCK = 32  # values per E8M0 scale, along a row
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; bit 3 is the sign
+# a routed expert's tensor by Ferry's name, in every family: rows of the slot-stacked parameters
+EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 class LoaderError(ValueError):
@@ -66,28 +70,23 @@ def build_empty_model(
     placement: ExpertPlacement | None,
 ) -> MoECausalLM:
     """Uninitialised parameters in ``dtype``; the router stays float32, and so do the
-    parameters DeepSeek-V4 keeps in float32 (``KEEP_FP32``)."""
+    parameters the model class keeps in float32 (``keep_fp32``)."""
     if placement is None:  # made here, not under the meta device: it checks its values
         placement = ExpertPlacement.identity(config.num_moe_layers, config.n_routed_experts)
-    model: MoECausalLM
+    model_class = family_of(config).model_class()
     with torch.device("meta"):
-        if isinstance(config, V4ModelConfig):
-            model = DeepseekV4ForCausalLM(config, placement)
-        else:
-            model = DeepseekV3ForCausalLM(config, placement)
+        model = model_class(config, placement)
     model.to_empty(device=device)
     model.to(dtype)
     for m in model.modules():
         if isinstance(m, MoE):
             m.gate.float()
-    if isinstance(config, V4ModelConfig):
+    if model.keep_fp32:
+        keep = re.compile(r"(^|\.)(" + "|".join(model.keep_fp32) + r")(\.|$)")
         for name, param in model.named_parameters():
-            if KEEP_FP32_RE.search(name):
+            if keep.search(name):
                 param.data = param.data.float()
     return model.eval().requires_grad_(False)
-
-
-KEEP_FP32_RE = re.compile(r"(^|\.)(" + "|".join(KEEP_FP32) + r")(\.|$)")
 
 
 class _Targets:
@@ -97,7 +96,7 @@ class _Targets:
         self.config = config = model.config
         self.placement = model.placement
         self.state = dict(model.named_parameters()) | dict(model.named_buffers())
-        self.expected = _checkpoint_shapes(config)
+        self.expected = family_of(config).checkpoint_names().checkpoint_shapes(config)
         self.seen: set[str] = set()
         moe_ids = config.moe_layer_ids
         self._moe_index = {layer: i for i, layer in enumerate(moe_ids)}
@@ -216,28 +215,15 @@ def _shard_map(path: Path) -> dict[str, str]:
 def _read_tensors(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name, tensor, file) for every tensor Ferry uses, by Ferry's name, FP8/FP4 weights
     already dequantized."""
-    for name, tensor, file in _read_stored(path, config):
-        if isinstance(config, V4ModelConfig):
-            for part, t in v4_names.split_fused_experts(v4_names.canonical(name), tensor):
-                yield part, t, file
-        else:
-            yield name, tensor, file
+    names = family_of(config).checkpoint_names()
+    for name, tensor, file in _read_stored(path, config, names):
+        for part, t in names.ferry_tensors(name, tensor):
+            yield part, t, file
 
 
-def _checkpoint_shapes(config: AnyModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint for ``config`` holds, by Ferry's name."""
-    if isinstance(config, V4ModelConfig):
-        return v4_names.v4_checkpoint_shapes(config)
-    return checkpoint_shapes(config)
-
-
-def _ignored(name: str, config: AnyModelConfig) -> bool:
-    if isinstance(config, V4ModelConfig):
-        return v4_names.is_ignored(name)
-    return is_ignored(name, config)
-
-
-def _read_stored(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _read_stored(
+    path: Path, config: AnyModelConfig, names: CheckpointNames
+) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name as stored, tensor, file), FP8/FP4 weights dequantized, scales consumed."""
     weight_map = _shard_map(path)
     with ExitStack() as stack:
@@ -252,7 +238,7 @@ def _read_stored(path: Path, config: AnyModelConfig) -> Iterator[tuple[str, torc
 
         scales = {s for n in weight_map for s in _scale_names(n) if s in weight_map}
         for name in sorted(weight_map, key=lambda n: (weight_map[n], n)):
-            if name in scales or _ignored(name, config):
+            if name in scales or names.is_ignored(name, config):
                 continue
             tensor, file = get(name), weight_map[name]
             scale = name.removesuffix(".weight") + E8M0_SCALE
@@ -349,9 +335,8 @@ def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = Non
     from ferry.services.common.tokenizer import write_byte_tokenizer_json
 
     preset = PRESETS[name]
-    state = random_state_dict(preset)
-    if isinstance(preset.config, V4ModelConfig):  # as DeepSeek ships V4, which HF converts
-        state = {v4_names.deepseek_name(n): t for n, t in state.items()}
+    names = family_of(preset.config).checkpoint_names()
+    state = {names.stored_name(n): t for n, t in random_state_dict(preset).items()}
     save_checkpoint(preset.config, state, path, max_shard_bytes)
     write_byte_tokenizer_json(Path(path))
     return Path(path)
@@ -363,7 +348,7 @@ def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
     trivial values, and a token-to-experts table (distinct experts per token)."""
     gen = torch.Generator().manual_seed(preset.seed)
     config = preset.config
-    shapes = _checkpoint_shapes(config)
+    shapes = family_of(config).checkpoint_names().checkpoint_shapes(config)
     out: dict[str, torch.Tensor] = {}
     for name, shape in sorted(shapes.items()):
         leaf = name.rsplit(".", 1)[-1]

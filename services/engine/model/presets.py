@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ferry.services.common.tokenizer import ByteTokenizer
-from ferry.services.engine.model.config import ModelConfig, RopeScaling
-from ferry.services.engine.model.config_v4 import CSA, HCA, SLIDING, AnyModelConfig, V4ModelConfig
+from ferry.services.engine.model.config import RopeScaling
+from ferry.services.engine.model.registry import AnyModelConfig
+from ferry.services.engine.model.v3.config import ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, SLIDING, V4ModelConfig
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,15 @@ transformers compute it), and DeepSeek-V4's two interleaved tables."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from ferry.services.engine.model.config import ModelConfig, RopeScaling
-from ferry.services.engine.model.config_v4 import V4ModelConfig
+from ferry.services.engine.model.config import RopeScaling
+
+if TYPE_CHECKING:
+    from ferry.services.engine.model.v3.config import ModelConfig
+    from ferry.services.engine.model.v4.config import V4ModelConfig
 
 
 def _yarn_inv_freq(dim: int, base: float, rs: RopeScaling) -> torch.Tensor:

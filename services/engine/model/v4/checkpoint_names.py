@@ -8,7 +8,8 @@ Ferry's names are transformers' module names with the routed experts one tensor 
 - transformers' names, either as its modules hold them (experts fused into ``gate_up_proj`` /
   ``down_proj``) or as ``save_pretrained`` writes them (a mix: ``model.`` prefixes with
   DeepSeek's leaf names).
-``canonical`` maps any of these to Ferry's; ``deepseek_name`` writes DeepSeek's.
+``canonical`` maps any of these to Ferry's; ``deepseek_name`` writes DeepSeek's, the name an
+exported checkpoint gives a tensor (``stored_name``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ferry.services.engine.model.config_v4 import CSA, HCA, V4ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
 
 Shape = tuple[int, ...]
 
@@ -109,8 +110,9 @@ def deepseek_name(name: str) -> str:
     return bare
 
 
-def is_ignored(name: str) -> bool:
-    """Tensors Ferry does not load: the MTP layer (``mtp.*``) and drafters, rotary caches."""
+def is_ignored(name: str, c: V4ModelConfig) -> bool:
+    """Tensors Ferry does not load, whatever the config: the MTP layer (``mtp.*``) and
+    drafters, rotary caches."""
     return IGNORED_RE.search(name) is not None
 
 
@@ -131,7 +133,15 @@ def split_fused_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, 
             yield f"{prefix}{e}.up_proj.weight", up
 
 
-def v4_checkpoint_shapes(c: V4ModelConfig) -> dict[str, Shape]:
+def ferry_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stored tensor by Ferry's name, fused experts split."""
+    return split_fused_experts(canonical(name), tensor)
+
+
+stored_name = deepseek_name  # V4-Flash's names
+
+
+def checkpoint_shapes(c: V4ModelConfig) -> dict[str, Shape]:
     """Every tensor a checkpoint for ``c`` must hold, by Ferry's name (the MTP layer excepted)."""
     h, hc = c.hidden_size, c.hc_mult
     shapes: dict[str, Shape] = {

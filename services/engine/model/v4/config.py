@@ -12,14 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from ferry.services.engine.model.config import (
-    ConfigError,
-    ModelConfig,
-    RopeScaling,
-    read_fp8_block,
-)
+from ferry.services.engine.model.config import ConfigError, RopeScaling, read_fp8_block
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # an entry every csa_rate tokens, chosen by the indexer
@@ -38,6 +33,7 @@ class _FieldError(ValueError):
 
 @dataclass(frozen=True)
 class V4ModelConfig:
+    model_type: ClassVar[str] = "deepseek_v4"  # config.json's, the family's key in the registry
     vocab_size: int
     hidden_size: int
     moe_intermediate_size: int
@@ -166,10 +162,6 @@ class V4ModelConfig:
         csa = len(self.layer_ids(CSA)) * (self.head_dim + self.index_head_dim) / self.csa_rate
         return csa + len(self.layer_ids(HCA)) * self.head_dim / self.hca_rate
 
-    @property
-    def model_type(self) -> str:
-        return "deepseek_v4"
-
     def replace(self, **changes: Any) -> V4ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -177,7 +169,7 @@ class V4ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> V4ModelConfig:
         """Build from a config.json in transformers' or DeepSeek's spelling."""
-        if d.get("model_type") != "deepseek_v4":
+        if d.get("model_type") != cls.model_type:
             raise ConfigError(f"{source}: model_type {d.get('model_type')!r} is not deepseek_v4")
         if (d.get("num_key_value_heads") or 1) != 1:
             raise ConfigError(f"{source}: DeepSeek-V4 attention has one shared KV head")
@@ -259,7 +251,7 @@ class V4ModelConfig:
         eos = self.eos_token_ids
         return {
             "architectures": ["DeepseekV4ForCausalLM"],
-            "model_type": "deepseek_v4",
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "moe_intermediate_size": self.moe_intermediate_size,
@@ -392,14 +384,3 @@ def _read_ropes(d: dict[str, Any]) -> dict[str, Any]:
         "compress_rope_theta": compress_theta,
         "compress_rope_scaling": scaling,
     }
-
-
-AnyModelConfig = ModelConfig | V4ModelConfig
-
-
-def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> AnyModelConfig:
-    """The config of any model Ferry runs, by its ``model_type``: ``deepseek_v4`` here, the
-    rest (``deepseek_v3``, and the refusals of what Ferry does not run) by ModelConfig."""
-    if d.get("model_type") == "deepseek_v4":
-        return V4ModelConfig.from_hf_dict(d, source)
-    return ModelConfig.from_hf_dict(d, source)

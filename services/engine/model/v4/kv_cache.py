@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
-from ferry.services.engine.model.config_v4 import CSA, HCA, V4ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
 
 
 def v4_cache_spec(c: V4ModelConfig) -> CacheSpec:

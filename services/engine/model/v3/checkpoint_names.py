@@ -1,14 +1,19 @@
-"""The tensors of a DeepSeek-V3 HF checkpoint, by name and shape, as config.json implies them."""
+"""The tensors of a DeepSeek-V3 HF checkpoint, by name and shape, as config.json implies them.
+Its names are Ferry's: nothing is renamed or split (``registry.CheckpointNames``)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ferry.services.engine.model.config import ModelConfig
+from ferry.services.engine.model.v3.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
-EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -81,3 +86,11 @@ def is_ignored(name: str, c: ModelConfig) -> bool:
     if m and int(m.group(1)) >= c.num_hidden_layers:
         return True
     return name.endswith("rotary_emb.inv_freq")
+
+
+def ferry_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    yield name, tensor
+
+
+def stored_name(name: str) -> str:
+    return name

@@ -11,17 +11,17 @@ from torch import nn
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.compressors_v4 import DecodeStep, Sequence, V4Batch, V4RMSNorm
-from ferry.services.engine.model.config_v4 import V4ModelConfig
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch, GraphStep
-from ferry.services.engine.model.kv_cache_v4 import (
+from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v4.compressors import DecodeStep, Sequence, V4Batch, V4RMSNorm
+from ferry.services.engine.model.v4.config import V4ModelConfig
+from ferry.services.engine.model.v4.kv_cache import (
     DecodeLayerCache,
     LayerCache,
     V4KVCache,
     v4_cache_spec,
 )
-from ferry.services.engine.model.layers_v4 import HyperConnection, HyperHead, V4Attention, V4MoE
-from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v4.layers import HyperConnection, HyperHead, V4Attention, V4MoE
 
 # Parameters kept in float32 whatever the model's dtype, as transformers keeps them (its
 # `_keep_in_fp32_modules_strict`): a parameter whose dotted name holds one of these parts.
@@ -109,6 +109,7 @@ class DeepseekV4ForCausalLM(MoECausalLM):
 
     # every sequence takes the one path (window ∪ compressed entries, sinks), decode included
     attention_path: AttentionPath = "expanded"
+    keep_fp32 = KEEP_FP32
 
     def __init__(self, config: V4ModelConfig, placement: ExpertPlacement | None = None) -> None:
         super().__init__(config, placement)

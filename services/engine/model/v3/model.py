@@ -10,10 +10,11 @@ from torch import nn
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.config import ModelConfig
 from ferry.services.engine.model.forward_batch import DecodeQueries, ForwardBatch, GraphStep
-from ferry.services.engine.model.layers import MLP, MLAAttention, MoE, RMSNorm
+from ferry.services.engine.model.moe import MLP, MoE
 from ferry.services.engine.model.rope import RotaryEmbedding
+from ferry.services.engine.model.v3.config import ModelConfig
+from ferry.services.engine.model.v3.layers import MLAAttention, RMSNorm
 
 
 class DecoderLayer(nn.Module):

@@ -7,9 +7,9 @@ sqrt(softplus)-routed MoE with the SwiGLU clamp.
 Parameter names follow the HF checkpoints (``self_attn.compressor.indexer.q_b_proj`` ...); the
 routed experts are stacked per physical slot, as for V3.
 
-Every sequence continues from its cache (``kv_cache_v4``): the window's rows and the compressors'
+Every sequence continues from its cache (``kv_cache``): the window's rows and the compressors'
 open rows in its state slot, the compressed entries in its blocks; the compressors and the
-indexer are in ``compressors_v4``. Prefill chunks, ending anywhere, run one sequence at a time;
+indexer are in ``compressors``. Prefill chunks, ending anywhere, run one sequence at a time;
 decode tokens run as one batch.
 """
 
@@ -24,7 +24,9 @@ from torch import nn
 from ferry import kernels as ops
 from ferry.kernels.moe_routing.reference import expert_scores
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.model.compressors_v4 import (
+from ferry.services.engine.model.moe import MLP, HashRouter, MoE, Router
+from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v4.compressors import (
     Compressor,
     CSACompressor,
     DecodeStep,
@@ -35,10 +37,8 @@ from ferry.services.engine.model.compressors_v4 import (
     ring_keep,
     ring_rows,
 )
-from ferry.services.engine.model.config_v4 import CSA, HCA, V4ModelConfig
-from ferry.services.engine.model.kv_cache_v4 import DecodeLayerCache, LayerCache
-from ferry.services.engine.model.layers import MLP, HashRouter, MoE, Router
-from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
+from ferry.services.engine.model.v4.kv_cache import DecodeLayerCache, LayerCache
 
 # ---- mHC ----------------------------------------------------------------------------------
 

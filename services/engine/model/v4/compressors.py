@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ferry import kernels as ops
-from ferry.services.engine.model.config_v4 import V4ModelConfig
-from ferry.services.engine.model.kv_cache_v4 import CompressorCache, Paged, Ring
 from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v4.config import V4ModelConfig
+from ferry.services.engine.model.v4.kv_cache import CompressorCache, Paged, Ring
 
 NEG_INF = float("-inf")
 
