@@ -9,7 +9,10 @@ cancelled, and the service closes.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -18,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ferry.services.common import tls
 from ferry.services.common.channels import server_options
+from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import add_port, run_serving
 from ferry.services.common.log import get_logger
@@ -45,6 +49,40 @@ class Service:
 
     async def close(self) -> None:
         """The server has stopped: free everything."""
+
+
+class RegisteredService(Service):
+    """A service in the cluster's registry (Redis) while it serves: registered as ``role`` once
+    the server is up, its record (and ``load``, when given) written again every heartbeat, and
+    deleted when it drains, so that nothing new finds it. The scheduler and the EPLB controller
+    are these; an engine worker registers its engine's facts too and, draining, stays
+    registered as draining until its calls end (services/worker/engine_worker.py)."""
+
+    def __init__(self, config: ServiceConfig, load: Callable[[], LoadReport] | None = None) -> None:
+        self.worker_id = config.name_for(self.role)
+        self.cluster = ClusterState(
+            config.redis_url, config.cluster, config.heartbeat_s, config.ttl_s
+        )
+        self._report_load = load
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        """Register; a subclass starts its background tasks after this."""
+        record = WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=address,
+            metrics_port=metrics_port,
+            pid=os.getpid(),
+            started_at=time.time(),
+        )
+        await self.cluster.register(record, self._report_load)
+
+    async def drain(self) -> None:
+        await self.cluster.deregister()
+
+    async def close(self) -> None:
+        """A subclass frees what it holds first, then calls this."""
+        await self.cluster.close()
 
 
 def create_server(config: ServiceConfig, service: Service) -> tuple[grpc.aio.Server, int]:

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -28,15 +27,10 @@ import numpy as np
 
 from ferry.protos import eplb_pb2, eplb_pb2_grpc
 from ferry.services.common.channels import ChannelPool
-from ferry.services.common.cluster_state import (
-    ClusterState,
-    ClusterStateError,
-    ExpertLoadReport,
-    WorkerRecord,
-)
+from ferry.services.common.cluster_state import ClusterStateError, ExpertLoadReport, WorkerRecord
 from ferry.services.common.log import get_logger
 from ferry.services.common.placement_map import placement_map, slot_map
-from ferry.services.common.server import Service
+from ferry.services.common.server import RegisteredService
 from ferry.services.eplb_controller import metrics
 from ferry.services.eplb_controller.algorithm import balancedness, rebalance, rebalance_layers
 from ferry.services.eplb_controller.balance import BalanceWindow, aligned_rows
@@ -84,15 +78,14 @@ class NoRebalance(Exception):
     """Why a group keeps its placement (not an error of the controller)."""
 
 
-class EplbController(Service):
+class EplbController(RegisteredService):
     role = "eplb"
     service_names = ("ferry.v1.EplbController",)
 
-    def __init__(self, config: EplbConfig) -> None:
+    def __init__(self, config: EplbConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config.service)
         self.config = config
-        svc = config.service
-        self.worker_id = svc.name_for(self.role)
-        self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
+        self.clock = clock  # when groups were last seen (tests pass their own)
         self._windows: dict[str, BalanceWindow] = {}
         self._schedules: dict[str, Schedule] = {}
         self._rebalances: dict[str, int] = {}
@@ -106,25 +99,14 @@ class EplbController(Service):
         eplb_pb2_grpc.add_EplbControllerServicer_to_server(_Servicer(self), server)
 
     async def start(self, address: str, metrics_port: int) -> None:
-        record = WorkerRecord(
-            worker_id=self.worker_id,
-            role=self.role,
-            address=address,
-            metrics_port=metrics_port,
-            pid=os.getpid(),
-            started_at=time.time(),
-        )
-        await self.cluster.register(record)
+        await super().start(address, metrics_port)
         self._watch = asyncio.create_task(self._watch_groups())
-
-    async def drain(self) -> None:
-        await self.cluster.deregister()
 
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
         await self._channels.close()
-        await self.cluster.close()
+        await super().close()
 
     # ---- watching -------------------------------------------------------------------------
     async def groups(self) -> dict[str, Group]:
@@ -162,13 +144,13 @@ class EplbController(Service):
             self._windows.pop(group.name, None)
             self._schedules.pop(group.name, None)
         self._incarnations[group.name] = now
-        self._last_seen[group.name] = time.monotonic()
+        self._last_seen[group.name] = self.clock()
 
     async def _forget_gone(self, registered: Collection[str]) -> None:
         """Drop what is kept about groups gone from the registry for ``forget_after_s``: here,
         their metrics, and their keys in Redis (`ferry up` restarts a group under a new name).
         Not at once: after a Redis restart the registry is empty until the next heartbeats."""
-        now = time.monotonic()
+        now = self.clock()
         gone = [
             g
             for g, seen in self._last_seen.items()

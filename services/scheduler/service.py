@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -55,11 +54,11 @@ from ferry.protos import (
 )
 from ferry.services.common import convert, tasks, tracing
 from ferry.services.common.channels import ChannelPool
-from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerRecord, WorkerView
+from ferry.services.common.cluster_state import LoadReport, WorkerRecord, WorkerView
 from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.prefix_hash import prefix_hashes
-from ferry.services.common.server import Service, abort_with
+from ferry.services.common.server import RegisteredService, abort_with
 from ferry.services.common.streamed import Streamed
 from ferry.services.scheduler import metrics
 from ferry.services.scheduler.cluster_view import ClusterView
@@ -147,16 +146,14 @@ class _Lease:
     result: prefill_worker_pb2.PrefillResult
 
 
-class Scheduler(Service):
+class Scheduler(RegisteredService):
     role = "scheduler"
     service_names = ("ferry.v1.Scheduler",)
 
     def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config.service, self.load_report)
         self.config = config
-        svc = config.service
-        self.worker_id = svc.name_for(self.role)
-        self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
-        self.view = ClusterView(self.cluster, config.refresh_s, suspect_s=svc.ttl_s)
+        self.view = ClusterView(self.cluster, config.refresh_s, suspect_s=config.service.ttl_s)
         self.policy = create_policy(config.routing_policy)
         self._channels = ChannelPool()
         self._active: dict[str, asyncio.Task[object]] = {}
@@ -166,31 +163,22 @@ class Scheduler(Service):
     def add_to_server(self, server: grpc.aio.Server) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(_Servicer(self), server)
 
+    def load_report(self) -> LoadReport:
+        """What each heartbeat writes beside the record: the requests this scheduler serves."""
+        return LoadReport(running=len(self._active), updated_at=time.time())
+
     async def start(self, address: str, metrics_port: int) -> None:
-        record = WorkerRecord(
-            worker_id=self.worker_id,
-            role=self.role,
-            address=address,
-            metrics_port=metrics_port,
-            pid=os.getpid(),
-            started_at=time.time(),
-        )
-        await self.cluster.register(
-            record, lambda: LoadReport(running=len(self._active), updated_at=time.time())
-        )
+        await super().start(address, metrics_port)
         await self.view.refresh()
         self._refresher = asyncio.create_task(self.view.run())
         if self.policy.uses_prefixes:
             self._follower = asyncio.create_task(follow(self.cluster, self.view.prefix))
 
-    async def drain(self) -> None:
-        await self.cluster.deregister()
-
     async def close(self) -> None:
         for task in (self._refresher, self._follower):
             await tasks.stop(task)
         await self._channels.close()
-        await self.cluster.close()
+        await super().close()
 
     def channel(self, worker: WorkerRecord) -> grpc.aio.Channel:
         return self._channels.get(worker.address, worker.process)
@@ -227,7 +215,7 @@ class Scheduler(Service):
                         first.CopyFrom(lease.result.first)
                         if not first.finish_reason:
                             first.ClearField("usage")  # clients get usage on the last chunk only
-                        yield self._forward(first, rid, sent, request, started)
+                        yield self._relay_chunk(first, rid, sent, request, started)
                         if first.finish_reason:
                             return
                         stage, tried = "decode", {}
@@ -238,13 +226,13 @@ class Scheduler(Service):
                     call = _Call(self, stage, cand, _Attempt(len(tried), sent.moves, span))
                     async with contextlib.aclosing(call.chunks(msg, route)) as chunks:
                         async for chunk in chunks:
-                            yield self._forward(chunk, rid, sent, request, started)
+                            yield self._relay_chunk(chunk, rid, sent, request, started)
                             if chunk.finish_reason:
                                 return  # what fails after the last chunk is not the client's
                     if call.failure is None:
                         return
                     failure = call.failure
-                step = await self._after(failure, tried, sent)
+                step = await self._decide_next_step(failure, tried, sent)
                 span.add_event(step.value, {"stage": stage, "reason": failure.message})
                 if step is Step.RETRY:
                     tried[failure.worker_id] = failure
@@ -280,7 +268,10 @@ class Scheduler(Service):
             await self._release(lease, span)
             span.set_attributes({"output_tokens": len(sent.token_ids), "migrations": sent.moves})
 
-    async def _after(self, failure: Failure, tried: dict[str, Failure], sent: Streamed) -> Step:
+    async def _decide_next_step(
+        self, failure: Failure, tried: dict[str, Failure], sent: Streamed
+    ) -> Step:
+        """After ``failure``: retry elsewhere, fall back, move the stream, or fail."""
         if (
             failure.code == grpc.StatusCode.UNAVAILABLE
             and failure.worker_id
@@ -302,7 +293,7 @@ class Scheduler(Service):
             can_move=sent.can_move(self.config.migration_limit),
         )
 
-    def _forward(
+    def _relay_chunk(
         self,
         chunk: common_pb2.TokenChunk,
         rid: str,
@@ -417,11 +408,11 @@ class Scheduler(Service):
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self.channel(cand.record))
         with attempt.span("prefill", cand.worker_id) as span:
             call = stub.Prefill(msg, metadata=tracing.outgoing(span))
-            outcome = await self._prefilled(cand, call, route, attempt.number)
+            outcome = await self._await_prefill(cand, call, route, attempt.number)
             span.set_attribute("outcome", _outcome(outcome))
             return outcome
 
-    async def _prefilled(
+    async def _await_prefill(
         self,
         cand: Candidate,
         call: grpc.aio.UnaryUnaryCall,

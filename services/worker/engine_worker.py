@@ -12,11 +12,12 @@ import os
 import signal
 import threading
 import time
+from typing import Generic, TypeVar
 
 import grpc
 import torch
 
-from ferry.protos import eplb_pb2_grpc
+from ferry.protos import common_pb2, eplb_pb2_grpc
 from ferry.services.common.cluster_state import (
     ClusterState,
     ClusterStateError,
@@ -64,6 +65,7 @@ class EngineWorker(Service):
         svc = config.service
         self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.kv_address = ""
+        self._active: set[str] = set()  # the requests this worker's RPCs are serving
         self._watch: asyncio.Task[None] | None = None
         self._publish: asyncio.Task[None] | None = None
         self._kv_events: asyncio.Task[None] | None = None
@@ -251,3 +253,21 @@ _TRANSFER_CODES = {
 def transfer_status(err: TransferError) -> grpc.StatusCode:
     """The status a failed pull ends a Decode with: the exporter's failures are UNAVAILABLE."""
     return _TRANSFER_CODES.get(err.reason, grpc.StatusCode.UNAVAILABLE)
+
+
+W = TypeVar("W", bound=EngineWorker)
+
+
+class WorkerServicer(Generic[W]):
+    """What the gRPC servicers of every worker role share (each role's servicer puts this
+    before its generated base): the worker they serve, and Abort."""
+
+    def __init__(self, worker: W) -> None:
+        self.worker = worker
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortReply:
+        found = request.request_id in self.worker._active
+        await self.worker.engine.abort(request.request_id)
+        return common_pb2.AbortReply(found=found)

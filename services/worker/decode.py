@@ -21,7 +21,6 @@ from ferry.services.common.convert import KV_ERROR_KEY
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.common.server import abort_with
-from ferry.services.decode_worker import metrics
 from ferry.services.engine.async_engine import EngineDeadError
 from ferry.services.engine.request import ImportedKv, Resumed
 from ferry.services.kv_transfer.endpoints import KvImporter
@@ -29,7 +28,13 @@ from ferry.services.kv_transfer.handle import KvHandle, TransferError
 from ferry.services.kv_transfer.transport import KvTransport, create_transport
 from ferry.services.worker import convert as worker_convert
 from ferry.services.worker.config import WorkerConfig
-from ferry.services.worker.engine_worker import PROBE_TIMEOUT_S, EngineWorker, transfer_status
+from ferry.services.worker.engine_worker import (
+    PROBE_TIMEOUT_S,
+    EngineWorker,
+    WorkerServicer,
+    transfer_status,
+)
+from ferry.services.worker.metrics import decode_metrics
 from ferry.services.worker.trace_spans import prefill_spans
 
 log = get_logger(__name__)
@@ -43,7 +48,7 @@ class DecodeWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self._importers: dict[str, KvImporter] = {}
-        self._active: set[str] = set()
+        self.metrics = decode_metrics()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         decode_worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_Servicer(self), server)
@@ -63,8 +68,8 @@ class DecodeWorker(EngineWorker):
         return self._importers[transport]
 
     async def start(self, address: str, metrics_port: int) -> None:
-        # the transport its peers export over, ready before any request: a first pull paid
-        # for UCX's start-up (~0.7 s here, against ~5 ms for the next pull)
+        # the transport its peers export over, ready before any request: else the first pull
+        # pays for UCX's start-up, orders of magnitude longer than a pull
         transport = self.importer(self.config.kv_transport).transport
         await transport.probe(PROBE_TIMEOUT_S, self.config.service.public_host)
         await super().start(address, metrics_port)
@@ -108,7 +113,7 @@ class DecodeWorker(EngineWorker):
             except TransferError as e:
                 span.set_attribute("error", e.reason)
                 context.set_trailing_metadata(((KV_ERROR_KEY, e.reason),))
-                metrics.FAILED_PULLS.labels(e.reason).inc()
+                self.metrics.failed_pulls.labels(e.reason).inc()
                 await abort_with(context, transfer_status(e), str(e))
             span.set_attribute("seconds", round(time.perf_counter() - started, 6))
         return importer.hold_key(handle)
@@ -130,10 +135,7 @@ def _parse(
     return list(request.prompt_token_ids), params, handle, worker_convert.resumed_of(request)
 
 
-class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
-        self.worker = worker
-
+class _Servicer(WorkerServicer[DecodeWorker], decode_worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: decode_worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.TokenChunk]:
@@ -152,7 +154,7 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
             num_blocks = handle.num_blocks if handle else w.engine.blocks_needed(len(ids))
             busy = w.admission_error(num_blocks)
             if busy is not None:
-                metrics.REJECTED.inc()
+                w.metrics.rejected.inc()
                 await abort_with(context, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
             key = ""
             w._active.add(rid)
@@ -171,7 +173,7 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 async for outs in w.engine.stream(
                     ids, params, rid, imported=imported, resumed=resumed
                 ):
-                    metrics.COALESCED.observe(len(outs))
+                    w.metrics.coalesced.observe(len(outs))
                     if steps is not None:
                         if not steps.count and imported is None:  # it was prefilled here
                             prefill_spans(span, submitted_ns, outs[0])
@@ -187,10 +189,3 @@ class _Servicer(decode_worker_pb2_grpc.DecodeWorkerServicer):
                     w.engine.kv_holds.release_hold(key)
                 if steps is not None:
                     steps.close()
-
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortReply:
-        found = request.request_id in self.worker._active
-        await self.worker.engine.abort(request.request_id)
-        return common_pb2.AbortReply(found=found)

@@ -16,7 +16,7 @@ import uuid
 import grpc
 from opentelemetry.trace import Span
 
-from ferry.protos import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+from ferry.protos import prefill_worker_pb2, prefill_worker_pb2_grpc
 from ferry.services.common import convert, tracing
 from ferry.services.common.log import bind_request, get_logger
 from ferry.services.common.server import abort_with
@@ -24,10 +24,10 @@ from ferry.services.engine.async_engine import EngineDeadError
 from ferry.services.engine.request import RequestOutput
 from ferry.services.kv_transfer.endpoints import KvExporter
 from ferry.services.kv_transfer.transport import KvTransport, create_transport
-from ferry.services.prefill_worker import metrics
 from ferry.services.worker import convert as worker_convert
 from ferry.services.worker.config import WorkerConfig
-from ferry.services.worker.engine_worker import EngineWorker
+from ferry.services.worker.engine_worker import EngineWorker, WorkerServicer
+from ferry.services.worker.metrics import prefill_metrics
 from ferry.services.worker.trace_spans import prefill_spans
 
 log = get_logger(__name__)
@@ -48,7 +48,7 @@ class PrefillWorker(EngineWorker):
         )
         self.transport = create_transport(config.kv_transport)
         self.kv_port = 0
-        self._active: set[str] = set()
+        self.metrics = prefill_metrics()
         self._reaper: asyncio.Task[None] | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -113,17 +113,14 @@ class PrefillWorker(EngineWorker):
                 await abort_with(context, grpc.StatusCode.ABORTED, f"request {rid} was aborted")
             else:
                 result.kv_handle.CopyFrom(worker_convert.kv_handle_to_pb(handle))
-                metrics.EXPORTED_BLOCKS.inc(handle.num_blocks)
-        metrics.PREFILLS.inc()
-        metrics.PREFILL_TOKENS.inc(len(ids))
-        metrics.CACHED_TOKENS.inc(out.num_cached_tokens)
+                self.metrics.exported_blocks.inc(handle.num_blocks)
+        self.metrics.prefills.inc()
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.cached_tokens.inc(out.num_cached_tokens)
         return result
 
 
-class _Servicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker = worker
-
+class _Servicer(WorkerServicer[PrefillWorker], prefill_worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: prefill_worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_worker_pb2.PrefillResult:
@@ -149,10 +146,3 @@ class _Servicer(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             released = self.worker.exporter.leases.release(request.transfer_id)
             span.set_attribute("released", released)
         return prefill_worker_pb2.ReleaseReply(released=released)
-
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortReply:
-        found = request.request_id in self.worker._active
-        await self.worker.engine.abort(request.request_id)
-        return common_pb2.AbortReply(found=found)

@@ -3,7 +3,7 @@ workers (an "aggregated" deployment in vLLM's and Dynamo's terms)."""
 
 from __future__ import annotations
 
-from ferry.services.decode_worker.service import DecodeWorker
+from ferry.services.worker.decode import DecodeWorker
 
 
 class AggregatedWorker(DecodeWorker):

@@ -1,1 +1,0 @@
-"""The decode worker: KV import, continuous-batching decode, token streaming."""

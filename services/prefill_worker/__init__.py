@@ -1,1 +1,0 @@
-"""The prefill worker: batched prefill with the prefix cache, first token, KV export."""
