@@ -8,9 +8,9 @@ The ``Engine`` is single-threaded and private to this class: the step thread bui
 only thread that calls it. Building it there matters on the CPU. OpenMP (libgomp) gives every
 thread that runs a parallel torch op a thread pool of its own. Once the pools' threads outnumber
 the cores, its threads stop spinning at barriers and sleep instead. An engine built on the main
-thread left that thread a pool, and every later step on this thread ran ~2x slower: a burst of
-32 prompts took 1.15 s to prefill against 0.58 on 2 threads. So no other thread runs a parallel
-torch op.
+thread left that thread a pool, and every later step on this thread ran about twice as slow
+(`loadtest/results/peer-llamacpp-before-step-thread.json` against `peer-llamacpp.json`). So no
+other thread runs a parallel torch op.
 
 What other threads may use is below, each safe for the reason given: the facts fixed at build
 time (``info``), request validation (reads those facts), the KV cache tensor and the hold API
@@ -194,7 +194,7 @@ class AsyncEngine:
             load.window().tolist(),
             load.steps_total,
             eng.rebalancer.version if eng.rebalancer else 0,
-            eng.placement_step,
+            eng.lockstep.placement_step if eng.lockstep else 0,
             load.recent_snapshots(),
             load.hash_layers,
         )
@@ -326,12 +326,12 @@ class AsyncEngine:
                         or self._aborts
                         or self._engine.has_unfinished_requests()
                     ):
-                        if self._engine.ep_group is not None:
+                        if self._engine.lockstep is not None:
                             # a DEP rank must join every step of its group, even idle. While
                             # another rank has work (the last step's collective said so) it
                             # steps again at once, or that rank would wait for it every step;
                             # once the whole group is idle it checks in at a slow cadence
-                            if not self._engine.group_busy:
+                            if not self._engine.lockstep.group_busy:
                                 self._cv.wait(DEP_IDLE_POLL_S)
                             break
                         self._cv.wait()

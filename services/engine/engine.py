@@ -1,16 +1,15 @@
 """Engine: requests in, tokens out, one step at a time.
 
-A step plans which requests run (``StepPlanner``), runs one model forward over their new tokens
-on the paged latent cache, samples a token for every request whose tokens are all computed, and
-updates each request's text and finish state. The engine is single-threaded and synchronous;
-``AsyncEngine`` drives it from a background thread for services.
+A step schedules (``StepPlanner`` picks which requests run; a DEP rank joins its group's step,
+``Lockstep``), runs the model over their new tokens (``ModelRunner``), and postprocesses: samples
+a token for every request whose tokens are all computed and updates each request's text and
+finish state. The engine is single-threaded and synchronous; ``AsyncEngine`` drives it from a
+background thread for services.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,30 +20,18 @@ import torch
 from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.common.tokenizer import NoTokenizer, Tokenizer, load_tokenizer
 from ferry.services.engine.config import EngineConfig
-from ferry.services.engine.decode_graphs import DecodeGraphs
-from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.expert_rebalance import Rebalancer
 from ferry.services.engine.experts import ExpertPlacement
-from ferry.services.engine.kv_cache import KVCacheManager
-from ferry.services.engine.model import ForwardBatch, MoECausalLM, load_model
+from ferry.services.engine.model_runner import Lockstep, ModelRunner
 from ferry.services.engine.output_processor import OutputProcessor, make_output
-from ferry.services.engine.piece_graphs import compile_pieces
 from ferry.services.engine.request import ImportedKv, Request, RequestOutput, Resumed, Status
-from ferry.services.engine.sampler import Sampler, token_logprobs
-from ferry.services.engine.step_planner import StepPlan, StepPlanner
+from ferry.services.engine.sampler import Sampler
+from ferry.services.engine.step_planner import StepPlanner
 from ferry.services.engine.structured import Grammars
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
-
-SNAPSHOT_STEPS = 16  # a DEP rank snapshots its expert rows every this many group steps
-# prompt rows whose logits over the whole vocabulary are held at once (256 x DeepSeek-V3's 129k
-# in float32: 132 MB; a step's whole token budget would be gigabytes)
-PROMPT_LOGPROB_ROWS = 256
-# a model with state (DeepSeek-V4) keeps a prefix-cache snapshot of it every this many blocks,
-# besides the prompt's last block boundary: 512 tokens at V4's 64-token blocks
-SNAPSHOT_EVERY_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -86,72 +73,20 @@ class Engine:
         only its expert slots, and every step runs in lockstep with the other ranks. ``log``
         hears the start-up's progress (compiling the decode graphs)."""
         self.config = config = config or EngineConfig()
-        dtype: torch.dtype = getattr(torch, config.dtype)
-        self.model = load_model(config.model, dtype, config.device, placement)
-        if config.router_skew:
-            self.model.skew_routing(config.router_skew)
-        self.ep_group = ep_group
+        self.runner = runner = ModelRunner(config, placement, ep_group, log)
+        # the runner's, as the request side, the workers and the tests read them
+        self.model, self.kv_cache, self.kv = runner.model, runner.kv_cache, runner.kv
+        self.expert_load, self.graphs = runner.expert_load, runner.graphs
+        self.block_size, self.model_fingerprint = runner.block_size, runner.model_fingerprint
+        self.max_model_len = runner.max_model_len
+        self.lockstep: Lockstep | None = None
         self.rebalancer: Rebalancer | None = None  # applies EPLB's placement orders
-        self.group_steps = 0  # lockstep steps of the DEP group, idle ones included
-        self.placement_step = 0  # the group step at which the current placement took effect
-        self.group_busy = False  # whether any rank of the DEP group had work in the last step
         if ep_group is not None:
-            self.model.attach_ep_group(ep_group)
-            self.rebalancer = Rebalancer(self.model, ep_group)
+            self.lockstep = Lockstep(ep_group, self.model, self.expert_load)
+            self.rebalancer = self.lockstep.rebalancer
         mc = self.model.config
-        self.expert_load = ExpertLoad(mc.num_moe_layers, mc.n_routed_experts)
-        self.model.attach_expert_load(self.expert_load)
         self.tokenizer: Tokenizer = load_tokenizer(config.model, mc.vocab_size)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        spec = self.model.cache_spec()
-        self.block_size = spec.block_size(config.block_size)
-        # a state slot per sequence that may run (admission never waits for one), and as many
-        # snapshots of them for the prefix cache
-        num_slots = config.max_num_seqs if spec.rings else 0
-        num_snapshots = num_slots if config.enable_prefix_caching else 0
-        itemsize = dtype.itemsize
-        num_blocks = config.num_blocks_for(
-            spec.bytes_per_block(self.block_size, itemsize),
-            num_slots * spec.bytes_per_state_slot(itemsize)
-            + num_snapshots * spec.bytes_per_snapshot(itemsize),
-        )
-        self.kv_cache = self.model.allocate_kv_cache(
-            num_blocks, self.block_size, num_slots, num_snapshots
-        )
-        self.model_fingerprint = _fingerprint(config, self.model, self.block_size)
-        self.kv = KVCacheManager(
-            num_blocks,
-            self.block_size,
-            config.enable_prefix_caching,
-            self.model_fingerprint.encode(),
-            num_slots,
-            num_snapshots,
-            spec.state_blocks(self.block_size, itemsize),
-        )
         self.planner = StepPlanner(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.torch_threads = torch.get_num_threads()  # a step's (see _set_step_threads)
-        self.graphs: DecodeGraphs | None = None
-        # DEP ranks exchange tokens inside their MoE layers: a graph cannot hold that. On CUDA
-        # the same graphs would be captured as CUDA graphs; only the CPU build exists so far.
-        if (
-            not config.enforce_eager
-            and config.decode_graphs
-            and self.model.has_decode_graph
-            and ep_group is None
-            and self.model.device.type == "cpu"
-        ):
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_cache,
-                self.block_size,
-                self.max_model_len,
-                min(config.max_graph_batch, config.max_num_seqs),
-                log,
-            )
-        # what runs eagerly runs V4's hyper-connection mixing and small batches' routed experts
-        # as fused kernels (piece_graphs.py): the steps the decode graphs do not take
-        if not config.enforce_eager and self.model.device.type == "cpu":
-            compile_pieces(self.model, min(config.max_graph_batch, config.max_num_seqs), log)
         eos = mc.eos_token_ids or (
             () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
         )
@@ -308,196 +243,42 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, postprocess: the outputs of the requests that got a token."""
         started = time.perf_counter()
         plan = self.planner.plan()
         self.num_preemptions += len(plan.preempted)
-        if self.ep_group is not None:  # lockstep: every rank steps when any rank has work
-            assert self.rebalancer is not None
-            work, agreed = self.ep_group.agree(bool(plan), self.rebalancer.offered)
-            self.group_busy = work
-            version = self.rebalancer.version
-            self.rebalancer.advance(agreed)  # moves experts, on every rank at the same step
-            self.group_steps += 1  # the same count on every rank of the group
-            if self.rebalancer.version != version:
-                self.placement_step = self.group_steps
-            if self.group_steps % SNAPSHOT_STEPS == 0:
-                self.expert_load.snapshot(self.group_steps)
-            if not work:
-                return []
-            if not plan:  # this rank is idle: it still takes part in every MoE exchange
-                self.model.idle_moe_pass()
-                return []
+        if self.lockstep is not None:  # a DEP rank joins every step of its group
+            self.lockstep.step(bool(plan))
         if not plan:
             return []
-        logits, sampling, forward_s = self._forward(plan)
-        outputs: list[RequestOutput] = []
-        if sampling:
-            result = self.sampler(logits, sampling)
-            for req, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
-                delta = self.outputs.append(req, token, lp)
-                hold = None
-                if req.hand_off and req.finish_reason is None:
-                    hold = self.hand_off_key(req.request_id)
-                    if req.state_block_ids:  # the decode worker continues from this state
-                        assert req.state_slot is not None
-                        self.kv_cache.save_state(req.state_slot, req.state_block_ids)
-                    self.kv.hold(hold, req.block_ids + req.state_block_ids)
-                outputs.append(make_output(req, [token], delta, hold))
-                if req.finish_reason is not None or hold is not None:
-                    self._finish(req)
+        logits, sampling, forward_s = self.runner.run(plan)
+        outputs = self._postprocess(logits, sampling)
         total = time.perf_counter() - started
         self.expert_load.end_step()
         self.last_step = StepStats(len(plan.requests), plan.total_tokens, total, forward_s)
         return outputs
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request], float]:
-        """Run the model on the plan's new tokens; return logits of the requests that sample
-        and the seconds spent in the model."""
-        input_ids: list[int] = []
-        rows: list[int] = []
-        sampling: list[Request] = []
-        prompt_rows: list[tuple[int, Request, int]] = []  # (row, request, the next prompt token)
-        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
-            start = req.num_computed_tokens
-            offset = len(input_ids)
-            input_ids.extend(req.token_slice(start, start + n))
-            if start + n == req.num_tokens:
-                rows.append(len(input_ids) - 1)
-                sampling.append(req)
-            for pos in _prompt_logprob_positions(req, start, n):
-                prompt_rows.append((offset + pos - start, req, req.prompt_token_ids[pos + 1]))
-        snapshots = self._take_snapshots(plan)
-        graph = not prompt_rows and self._graph_step(plan, len(sampling))
-        self._set_step_threads(len(input_ids), graph)
-        if graph:
-            t0 = time.perf_counter()
-            logits = self._forward_graph(plan, input_ids, snapshots)
-            forward_s = time.perf_counter() - t0
-            self._commit(plan, snapshots)
-            return logits, sampling, forward_s
-        device = self.model.device
-        batch = ForwardBatch.build(
-            plan.num_new_tokens,
-            [r.num_computed_tokens for r in plan.requests],
-            [r.block_ids for r in plan.requests],
-            self.block_size,
-            self.model.attention_path,
-            device,
-            [-1 if r.state_slot is None else r.state_slot for r in plan.requests],
-            snapshots,
-        )
-        t0 = time.perf_counter()
-        ids = torch.tensor(input_ids)
-        self.expert_load.add_tokens(ids)  # the hash-routed layers' load (expert_load.py)
-        hidden = self.model(ids.to(device), batch, self.kv_cache)
-        logits = hidden.new_empty(0)
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).cpu()
-        if prompt_rows:
-            self._prompt_logprobs(hidden, prompt_rows)
-        forward_s = time.perf_counter() - t0
-        self._commit(plan, snapshots)
-        return logits, sampling, forward_s
-
-    def _commit(self, plan: StepPlan, snapshots: list[list[tuple[int, int]]]) -> None:
-        """The plan's new tokens are in the cache: count them, and keep the step's snapshots."""
-        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
-            self.kv.commit(req)
-        for req, points in zip(plan.requests, snapshots, strict=True):
-            for pos, snap in points:  # kept under the hash of the block that ends there
-                index = pos // self.block_size - 1
-                block_hash = req.block_hashes[index] if index < len(req.block_hashes) else None
-                self.kv.keep_snapshot(block_hash, snap)
-
-    def _graph_step(self, plan: StepPlan, sampled: int) -> bool:
-        """Whether the decode graphs run this step: one token per sequence, each sampled."""
-        n = len(plan.requests)
-        return (
-            self.graphs is not None
-            and self.graphs.covers(n)
-            and sampled == n
-            and all(k == 1 for k in plan.num_new_tokens)
-        )
-
-    def _set_step_threads(self, num_tokens: int, graph: bool) -> None:
-        """Eager steps of fewer than ``one_thread_below`` tokens run on one torch thread, the
-        rest on the engine's; with ``one_thread_below`` 0 the threads are left alone."""
-        below = self.config.one_thread_below
-        if below:
-            want = 1 if num_tokens < below and not graph else self.torch_threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
-
-    def _forward_graph(
-        self, plan: StepPlan, input_ids: list[int], snapshots: list[list[tuple[int, int]]]
-    ) -> torch.Tensor:
-        """``_forward`` for a step the decode graphs run: the logits. A sequence's state is
-        snapshotted after the graph (its one token is the last the step adds)."""
-        assert self.graphs is not None
-        positions = [r.num_computed_tokens for r in plan.requests]
-        tables = [r.block_ids for r in plan.requests]
-        slots = [0 if r.state_slot is None else r.state_slot for r in plan.requests]
-        if self.expert_load.hash_tables:  # their load counts from the tokens
-            self.expert_load.add_tokens(torch.tensor(input_ids))
-        counts = self.expert_load.counts_buffer(self.model.device)
-        logits = self.graphs.run(input_ids, positions, tables, counts, slots)
-        for req, points in zip(plan.requests, snapshots, strict=True):
-            for _, snap in points:
-                assert req.state_slot is not None
-                self.kv_cache.save(req.state_slot, snap)
-        return logits
-
-    def _take_snapshots(self, plan: StepPlan) -> list[list[tuple[int, int]]]:
-        """For a model with state: restore the state of this step's prefix hits, then choose
-        where each sequence's state is snapshotted this step (position, snapshot id)."""
-        if not self.kv.num_state_slots:
-            return [[] for _ in plan.requests]
-        for req in plan.requests:
-            if req.restore_snapshot is not None:
-                assert req.state_slot is not None
-                self.kv_cache.restore(req.restore_snapshot, req.state_slot)
-                req.restore_snapshot = None
-        out: list[list[tuple[int, int]]] = []
-        for req, n in zip(plan.requests, plan.num_new_tokens, strict=True):
-            points = []
-            for pos in self._snapshot_positions(req, n):
-                snap = self.kv.take_snapshot()
-                if snap is None:
-                    break
-                points.append((pos, snap))
-            out.append(points)
-        return out
-
-    def _snapshot_positions(self, req: Request, n: int) -> list[int]:
-        """Block boundaries this step crosses where the prefix cache keeps the state: the last
-        one before the prompt's last token (a hit for the same prompt, or one that extends it:
-        the next turn of a chat) and every SNAPSHOT_EVERY_BLOCKS blocks (shared system
-        prompts)."""
-        bs, done = self.block_size, req.num_computed_tokens
-        prompt_end = (len(req.prompt_token_ids) - 1) // bs * bs
-        first = done // bs + 1
-        return [
-            b * bs
-            for b in range(first, (done + n) // bs + 1)
-            if b * bs == prompt_end or b % SNAPSHOT_EVERY_BLOCKS == 0
-        ]
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, prompt_rows: list[tuple[int, Request, int]]
-    ) -> None:
-        """Append each row's next prompt token's logprob (and the top n) to its request, in
-        slices of PROMPT_LOGPROB_ROWS rows."""
-        for at in range(0, len(prompt_rows), PROMPT_LOGPROB_ROWS):
-            part = prompt_rows[at : at + PROMPT_LOGPROB_ROWS]
-            index = torch.tensor([row for row, _, _ in part], device=hidden.device)
-            logits = self.model.compute_logits(hidden[index]).cpu()
-            targets = torch.tensor([token for _, _, token in part])
-            wanted = [req.params.prompt_logprobs for _, req, _ in part]
-            entries = token_logprobs(logits, targets, wanted)
-            for (_, req, _), entry in zip(part, entries, strict=True):
-                assert req.prompt_logprobs is not None and entry is not None
-                req.prompt_logprobs.append(entry)
+    def _postprocess(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+        """Sample a token for each request in ``sampling`` and turn it into text and finish
+        state. A hand-off (prefill role) ends at its first token: its prompt's blocks, and the
+        state the decode worker continues from, are held for export under its hand-off key."""
+        outputs: list[RequestOutput] = []
+        if not sampling:
+            return outputs
+        result = self.sampler(logits, sampling)
+        for req, token, lp in zip(sampling, result.token_ids, result.logprobs, strict=True):
+            delta = self.outputs.append(req, token, lp)
+            hold = None
+            if req.hand_off and req.finish_reason is None:
+                hold = self.hand_off_key(req.request_id)
+                if req.state_block_ids:
+                    assert req.state_slot is not None
+                    self.kv_cache.save_state(req.state_slot, req.state_block_ids)
+                self.kv.hold(hold, req.block_ids + req.state_block_ids)
+            outputs.append(make_output(req, [token], delta, hold))
+            if req.finish_reason is not None or hold is not None:
+                self._finish(req)
+        return outputs
 
     def _finish(self, req: Request) -> None:
         self.planner.remove(req)
@@ -508,7 +289,7 @@ class Engine:
     def work_anywhere(self, local: bool) -> bool:
         """``local``, or on a DEP rank: whether any rank of the group has work (a collective
         every rank must call)."""
-        return local if self.ep_group is None else self.ep_group.any(local)
+        return local if self.lockstep is None else self.lockstep.ep_group.any(local)
 
     def generate(
         self,
@@ -563,23 +344,6 @@ class Engine:
         self.kv.check_integrity(self.requests.values())
 
 
-def _fingerprint(config: EngineConfig, model: MoECausalLM, block_size: int) -> str:
-    """Names the model and cache layout: blocks hashed under one fingerprint are reusable only
-    by an engine with the same one."""
-    skew = {"router_skew": config.router_skew} if config.router_skew else {}
-    desc = json.dumps(
-        {
-            "model": config.model,
-            "dtype": config.dtype,
-            "block_size": block_size,
-            **skew,
-            "config": model.config.to_hf_dict(),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(desc.encode()).hexdigest()[:16]
-
-
 def _refuse_text(params: SamplingParams) -> None:
     """ValueError for what a model without a tokenizer (NoTokenizer) cannot do: its outputs
     have no text to match stop strings or a grammar against."""
@@ -594,14 +358,3 @@ def _refuse_text(params: SamplingParams) -> None:
             f"structured output ({spec.kind}) needs the model's tokenizer, and it has no "
             "tokenizer.json"
         )
-
-
-def _prompt_logprob_positions(req: Request, start: int, n: int) -> range:
-    """The positions among this step's ``start .. start + n`` whose logits give a prompt token's
-    logprob that ``req`` still lacks (position i predicts prompt token i + 1; after a
-    preemption the recomputed positions already have theirs)."""
-    if req.prompt_logprobs is None:
-        return range(0)
-    return range(
-        max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_token_ids) - 1)
-    )

@@ -211,7 +211,7 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(
     prompt already cached: every prompt token after the first gets the logprob of one forward
     over the whole prompt, then the top 3; the cached prefix is computed again (it has no
     logits to give)."""
-    monkeypatch.setattr("ferry.services.engine.engine.PROMPT_LOGPROB_ROWS", 7)
+    monkeypatch.setattr("ferry.services.engine.model_runner.PROMPT_LOGPROB_ROWS", 7)
     engine = Engine(
         EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, max_num_batched_tokens=32)
     )
