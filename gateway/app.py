@@ -276,15 +276,15 @@ async def _model_card(backend: Backend) -> dict[str, Any]:
     }
 
 
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
+# The proto's one-value fields that the body names alike go over as they are; max_tokens and
+# logprobs are the route's to give (chat's come from max_completion_tokens and top_logprobs).
+_SCALARS = tuple(
+    f.name
+    for f in common_pb2.SamplingParams.DESCRIPTOR.fields
+    if not f.is_repeated
+    and f.message_type is None
+    and f.name in _Sampling.model_fields
+    and f.name not in ("max_tokens", "logprobs")
 )
 
 
@@ -292,16 +292,8 @@ def _params(
     body: _Sampling, max_tokens: int | None, logprobs: int | None
 ) -> common_pb2.SamplingParams:
     """The request's sampling fields; unset ones stay unset (the engine's defaults apply)."""
-    msg = common_pb2.SamplingParams(
-        stop=body.stops(),
-        stop_token_ids=body.stop_token_ids or [],
-        min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        priority=body.priority,
-    )
-    for name in _SAMPLING_FIELDS:
+    msg = common_pb2.SamplingParams(stop=body.stops(), stop_token_ids=body.stop_token_ids or [])
+    for name in _SCALARS:
         if (value := getattr(body, name)) is not None:
             setattr(msg, name, value)
     if (structured := body.structured()) is not None:

@@ -10,26 +10,11 @@ import grpc
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-# Field names the engine's validation messages start with ("temperature must be >= 0, ..."):
-# the gateway reports them as the error's ``param``.
-PARAMS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "max_tokens",
-    "min_tokens",
-    "seed",
-    "logprobs",
-    "prompt_logprobs",
-    "stop",
-    "stop_token_ids",
-    "n",
-    "logit_bias",
-)
+from ferry.protos import common_pb2
+
+# The engine's validation messages start with the sampling field at fault ("temperature must
+# be >= 0, ..."): the gateway reports it as the error's ``param``.
+PARAMS = tuple(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

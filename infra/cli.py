@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import operator
 import os
 import shlex
 import sys
@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING
 
 from ferry.gateway.config import GatewayConfig
 from ferry.infra import flags
-from ferry.infra.launcher import WORKER_ROLES
-from ferry.infra.restarts import RESTART_MODES
+from ferry.infra.deploy.k8s import K8sOptions
+from ferry.infra.flags import Flag, Flags, option, switch
+from ferry.infra.launcher import WORKER_ROLES, ClusterSpec
+from ferry.infra.restarts import RESTART_MODES, RestartPolicy
 from ferry.infra.simulator import cli as simulator_cli
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
+from ferry.services.engine.config import EngineConfig
 from ferry.services.engine.model.presets import PRESETS
 from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
-    from ferry.infra.deploy.k8s import K8sOptions
-    from ferry.infra.launcher import ClusterSpec
     from ferry.services.common.server import Service
 
 ROLES = ("prefill", "decode", "aggregated", "scheduler", "gateway", "eplb")
@@ -119,14 +120,14 @@ def _service(role: str, config: SchedulerConfig | EplbConfig | WorkerConfig) -> 
         return EplbController(config)
     # only the role's own module: a process exports its own role's metric families alone
     if role == "prefill":
-        from ferry.services.prefill_worker.service import PrefillWorker
+        from ferry.services.worker.prefill import PrefillWorker
 
         return PrefillWorker(config)
     if role == "aggregated":
-        from ferry.services.decode_worker.aggregated import AggregatedWorker
+        from ferry.services.worker.aggregated import AggregatedWorker
 
         return AggregatedWorker(config)
-    from ferry.services.decode_worker.service import DecodeWorker
+    from ferry.services.worker.decode import DecodeWorker
 
     return DecodeWorker(config)
 
@@ -147,8 +148,6 @@ def cluster_spec(args: argparse.Namespace, worker_cores: int = 0) -> ClusterSpec
     role's extra flags are not flags of `ferry serve ROLE` (found now, not when every worker
     fails to start). ``worker_cores``: each worker has this many cores of its own (a pod's);
     0: the workers share this machine's."""
-    from ferry.infra.launcher import ClusterSpec
-    from ferry.infra.restarts import RestartPolicy
     from ferry.services.common import channels
 
     if args.schedulers < 1:
@@ -206,33 +205,19 @@ def cluster_spec(args: argparse.Namespace, worker_cores: int = 0) -> ClusterSpec
         _check_serve_flags(role, serve_args[role], f"--worker-args / --{role}-args")
     for role in ("gateway", "scheduler", "eplb"):
         _check_serve_flags(role, serve_args[role], "flags")
-    aggregated = args.aggregated
-    return ClusterSpec(
-        prefill=_pd_count(args.prefill, aggregated),
-        decode=_pd_count(args.decode, aggregated),
-        aggregated=aggregated,
-        prefill_dep=args.prefill_dep,
-        decode_dep=args.decode_dep,
-        schedulers=args.schedulers,
-        host=args.host,
-        hosts=args.hosts,
-        scheduler_port=args.scheduler_port,
-        gateway=not args.no_gateway,
-        gateway_port=args.port,
-        grpc_port=args.grpc_port,
-        redis_url=args.redis_url,
-        cluster=args.cluster,
-        restart=RestartPolicy(args.restart),
+    return CLUSTER.build(
+        args,
+        prefill=_pd_count(args.prefill, args.aggregated),
+        decode=_pd_count(args.decode, args.aggregated),
         serve_args=serve_args,
         serve_env={
             # the key reaches the gateway in its environment: argv is readable by any user
             "gateway": {"FERRY_API_KEY": flags.api_key(args), "FERRY_API_KEY_FILE": ""},
-            # (no OMP_WAIT_POLICY for the workers: PASSIVE, sleeping at every barrier, made a
-            # 500-token prefill ~1.6x slower here, 118 -> 190 ms)
+            # (no OMP_WAIT_POLICY for the workers: PASSIVE, sleeping at every barrier, made
+            # prefill markedly slower on this machine's two cores)
             **{role: {"FERRY_KERNELS": args.kernels} for role in WORKER_ROLES},
         },
         tls=certs,
-        throwaway_tls=args.tls,
     )
 
 
@@ -308,8 +293,6 @@ def _deploy_k8s(args: argparse.Namespace) -> int:
 def _k8s_options(args: argparse.Namespace) -> K8sOptions:
     """`ferry deploy k8s`'s own flags; ValueError for `ferry up` flags that a Kubernetes
     cluster cannot take as they are (a secret in a manifest, this machine's files)."""
-    from ferry.infra.deploy.k8s import K8sOptions
-
     if args.hosts:
         raise ValueError("--hosts runs namespaces on this machine: pods have hosts of their own")
     if args.tls or flags.tls_files(args).on:
@@ -336,30 +319,45 @@ def _k8s_options(args: argparse.Namespace) -> K8sOptions:
         if not sep or not key:
             raise ValueError(f"--node-selector {item}: give KEY=VALUE")
         selector[key] = value
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(K8sOptions)}
-    return K8sOptions(**{**given, "node_selector": selector})  # each field is a flag
+    return K8S.build(args, node_selector=selector)
+
+
+# `ferry deploy k8s`'s own flags, besides --out and --node-selector
+K8S = Flags(
+    K8sOptions,
+    Flag("--namespace", "the namespace of every object"),
+    Flag("--image", "the image every Ferry pod runs (infra/docker/Dockerfile)"),
+    Flag(
+        "--image-pull-policy",
+        "the pods' imagePullPolicy",
+        choices=["IfNotPresent", "Always", "Never"],
+    ),
+    Flag("--redis-image", "the image of the cluster's own Redis"),
+    Flag("--worker-cpus", "CPUs each worker pod requests (a prefill's torch threads)"),
+    Flag("--worker-memory", "memory each worker pod requests and is limited to"),
+    Flag("--shm-size", "each worker's /dev/shm (UCX and torch use it)"),
+    Flag("--gpus", "GPUs per worker pod"),
+    Flag("--gpu-resource", "the GPUs' extended resource name"),
+    Flag("--rdma-resource", "an RDMA device per worker pod (e.g. rdma/ib) and IPC_LOCK"),
+    switch("--host-network", "workers on their node's network (UCX over its NICs)"),
+    Flag("--ucx-tls", "the workers' UCX_TLS (default: UCX picks)"),
+    Flag("--model-pvc", "a PersistentVolumeClaim holding --model's checkpoint"),
+    Flag("--api-key-secret", "a Secret whose key api-key the gateway requires"),
+    Flag("--tls-secret", "a Secret with tls.crt, tls.key, ca.crt: mutual TLS inside"),
+    Flag("--gateway-replicas", "gateway pods behind its Service"),
+    Flag(
+        "--gateway-service-type",
+        "the gateway Service's type",
+        choices=["ClusterIP", "NodePort", "LoadBalancer"],
+    ),
+    switch("--disaggregated-set", "the worker roles as one DisaggregatedSet (LWS's) of roles"),
+    switch("--pod-monitor", "a Prometheus Operator PodMonitor for every pod"),
+)
 
 
 def _add_k8s_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory for the manifests (one per object)")
-    flags.add(p, "--namespace", "ferry", "the namespace of every object")
-    flags.add(p, "--image", "ferry:dev", "the image every Ferry pod runs (infra/docker/Dockerfile)")
-    flags.add(
-        p,
-        "--image-pull-policy",
-        "IfNotPresent",
-        "the pods' imagePullPolicy",
-        choices=["IfNotPresent", "Always", "Never"],
-    )
-    flags.add(p, "--redis-image", "redis:7.4-alpine", "the image of the cluster's own Redis")
-    flags.add(p, "--worker-cpus", 4, "CPUs each worker pod requests (a prefill's torch threads)")
-    flags.add(p, "--worker-memory", "16Gi", "memory each worker pod requests and is limited to")
-    flags.add(p, "--shm-size", "2Gi", "each worker's /dev/shm (UCX and torch use it)")
-    flags.add(p, "--gpus", 0, "GPUs per worker pod")
-    flags.add(p, "--gpu-resource", "nvidia.com/gpu", "the GPUs' extended resource name")
-    flags.add(p, "--rdma-resource", "", "an RDMA device per worker pod (e.g. rdma/ib) and IPC_LOCK")
-    flags.add_switch(p, "--host-network", "workers on their node's network (UCX over its NICs)")
-    flags.add(p, "--ucx-tls", "", "the workers' UCX_TLS (default: UCX picks)")
+    flags.add_flags(p, K8S)
     p.add_argument(
         "--node-selector",
         action="append",
@@ -367,21 +365,6 @@ def _add_k8s_flags(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a node label the worker pods need (repeatable)",
     )
-    flags.add(p, "--model-pvc", "", "a PersistentVolumeClaim holding --model's checkpoint")
-    flags.add(p, "--api-key-secret", "", "a Secret whose key api-key the gateway requires")
-    flags.add(p, "--tls-secret", "", "a Secret with tls.crt, tls.key, ca.crt: mutual TLS inside")
-    flags.add(p, "--gateway-replicas", 1, "gateway pods behind its Service")
-    flags.add(
-        p,
-        "--gateway-service-type",
-        "ClusterIP",
-        "the gateway Service's type",
-        choices=["ClusterIP", "NodePort", "LoadBalancer"],
-    )
-    flags.add_switch(
-        p, "--disaggregated-set", "the worker roles as one DisaggregatedSet (LWS's) of roles"
-    )
-    flags.add_switch(p, "--pod-monitor", "a Prometheus Operator PodMonitor for every pod")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -397,7 +380,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferry", description="Ferry: disaggregated MoE serving")
+    parser = flags.Parser(prog="ferry", description="Ferry: disaggregated MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     exp = sub.add_parser("export-preset", help="write a seeded random preset as a HF checkpoint")
@@ -407,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_export_preset)
 
     up = sub.add_parser("up", help="start a local cluster (redis + all services)")
-    add_cluster_flags(up)
+    flags.add_flags(up, CLUSTER)
     up.set_defaults(func=_up)
 
     deploy = sub.add_parser("deploy", help="deployment artefacts for a cluster")
@@ -416,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "k8s",
         help="Kubernetes manifests for the cluster `ferry up` would start with these flags",
     )
-    add_cluster_flags(k8s)
+    flags.add_flags(k8s, CLUSTER)
     _add_k8s_flags(k8s)
     k8s.set_defaults(func=_deploy_k8s)
 
@@ -426,113 +409,140 @@ def build_parser() -> argparse.ArgumentParser:
     roles = serve.add_subparsers(dest="role", required=True)
     for role in ROLES:
         p = roles.add_parser(role, help=f"the {role} service")
-        if role == "gateway":
-            flags.add_gateway_flags(p)
-            continue
-        flags.add_service_flags(p)
-        if role == "scheduler":
-            flags.add_scheduler_flags(p)
-        elif role == "eplb":
-            flags.add_eplb_flags(p)
-        else:
-            flags.add_engine_flags(p)
+        flags.add_flags(p, *flags.ROLE_FLAGS[role])
     serve.set_defaults(func=_serve)
 
     st = sub.add_parser("status", help="workers, health, load and KV usage from Redis")
-    flags.add(st, "--redis-url", "redis://127.0.0.1:6379/0", "Redis holding the cluster state")
-    flags.add(st, "--cluster", "default", "cluster name")
+    status_flags = (
+        option("--redis-url", ServiceConfig.redis_url, "Redis holding the cluster state"),
+        option("--cluster", ServiceConfig.cluster, "cluster name"),
+    )
+    flags.add_flags(st, status_flags)
     st.set_defaults(func=_status)
     return parser
 
 
-def add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    """What a cluster is made of: `ferry up`'s flags, which `ferry deploy k8s` takes too (one
-    ClusterSpec from both: they cannot drift)."""
-    flags.add(p, "--prefill", None, "prefill workers (default 1; 0 with --aggregated)", type=int)
-    flags.add(p, "--decode", None, "decode workers (default 1; 0 with --aggregated)", type=int)
-    flags.add(p, "--aggregated", 0, "aggregated workers (prefill and decode in one engine)")
-    flags.add(p, "--prefill-dep", 1, "> 1: also a prefill DEP group of this many ranks")
-    flags.add(p, "--decode-dep", 1, "> 1: also a decode DEP group of this many ranks")
-    flags.add(p, "--num-redundant-experts", 0, "extra expert slots per MoE layer in a group")
-    flags.add(
-        p,
+# What a cluster is made of: `ferry up`'s flags, which `ferry deploy k8s` takes too (one
+# ClusterSpec from both: they cannot drift). A flag that sets no field of it is handed on to
+# the services (cluster_spec); where its default is a service's own, it is read from that
+# service's config.
+CLUSTER = Flags(
+    ClusterSpec,
+    option("--prefill", None, "prefill workers (default 1; 0 with --aggregated)", type=int),
+    option("--decode", None, "decode workers (default 1; 0 with --aggregated)", type=int),
+    Flag("--aggregated", "aggregated workers (prefill and decode in one engine)"),
+    Flag("--prefill-dep", "> 1: also a prefill DEP group of this many ranks"),
+    Flag("--decode-dep", "> 1: also a decode DEP group of this many ranks"),
+    option(
+        "--num-redundant-experts",
+        WorkerConfig.num_redundant_experts,
+        "extra expert slots per MoE layer in a group",
+    ),
+    option(
         "--eplb-interval-steps",
         1000,
         "the EPLB controller rebalances a group every N steps (0: only on request)",
-    )
-    flags.add(
-        p,
+    ),
+    option(
         "--eplb-hash-interval-steps",
-        -1,
+        EplbConfig.hash_interval_steps,
         "... and its hash-routed layers (DeepSeek-V4) every N (-1: 10x the above)",
-    )
-    flags.add(p, "--router-skew", 0.0, "test knob: skew expert load on random weights")
-    flags.add_switch(
-        p, "--enforce-eager", "workers run every step eagerly (no compiled decode graphs)"
-    )
-    flags.add(
-        p,
+    ),
+    option(
+        "--router-skew", EngineConfig.router_skew, "test knob: skew expert load on random weights"
+    ),
+    switch(
+        "--enforce-eager",
+        "workers run every step eagerly (no compiled decode graphs)",
+        field=None,
+    ),
+    option(
         "--kernels",
         "auto",
         "the workers' kernels: auto (C on the CPU where an op has one, Triton on CUDA), "
         "torch (the reference: the fast CPU path off), native, triton",
         choices=KERNEL_BACKENDS,
-    )
-    flags.add(
-        p, "--model", "tiny", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"
-    )
-    flags.add(p, "--redis-url", "", "Redis to use (default: start a private redis-server)")
-    flags.add(p, "--kv-transport", "ucx", "KV transfer transport", choices=["ucx", "grpc"])
-    flags.add(p, "--routing-policy", "kv_aware", "scheduler routing policy")
-    flags.add(p, "--migration-limit", 0, "the scheduler's and the gateway's --migration-limit")
-    flags.add(p, "--schedulers", 1, "scheduler replicas (the gateway spreads requests over them)")
-    flags.add(p, "--host", "127.0.0.1", "address every service binds")
-    flags.add(
-        p,
+    ),
+    option(
+        "--model",
+        EngineConfig.model,
+        "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory",
+    ),
+    Flag("--redis-url", "Redis to use (default: start a private redis-server)"),
+    option(
+        "--kv-transport",
+        WorkerConfig.kv_transport,
+        "KV transfer transport",
+        choices=["ucx", "grpc"],
+    ),
+    option("--routing-policy", SchedulerConfig.routing_policy, "scheduler routing policy"),
+    option(
+        "--migration-limit",
+        SchedulerConfig.migration_limit,
+        "the scheduler's and the gateway's --migration-limit",
+    ),
+    Flag("--schedulers", "scheduler replicas (the gateway spreads requests over them)"),
+    Flag("--host", "address every service binds"),
+    Flag(
         "--hosts",
-        0,
         "run as N hosts: network namespaces on a bridge, redis on the first, the gateway and "
         "scheduler on the second, workers over the rest (root; 0: all on --host)",
-    )
-    flags.add(p, "--port", 8000, "the OpenAI API's HTTP port (0: any free port)")
-    flags.add_switch(p, "--no-gateway", "start no gateway (clients call the scheduler)")
-    flags.add_key_flags(p, "the gateway requires `Authorization: Bearer KEY`")
-    flags.add_switch(
-        p, "--tls", "mutual TLS inside, HTTPS outside, with a throwaway CA made for this run"
-    )
-    flags.add_tls_flags(p)
-    flags.add(p, "--reasoning-parser", "", "the gateway's --reasoning-parser (deepseek_r1)")
-    flags.add(p, "--tool-call-parser", "deepseek_v3", "the gateway's --tool-call-parser")
-    flags.add(p, "--grpc-port", 50051, "the gateway's public gRPC port")
-    flags.add(p, "--scheduler-port", 50052, "the first scheduler's gRPC port (0: any free)")
-    flags.add(p, "--cluster", "default", "cluster name (Redis key prefix)")
-    flags.add(p, "--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)")
-    flags.add(p, "--torch-threads", 1, "torch threads per decode or aggregated worker")
-    flags.add(
-        p,
+    ),
+    Flag("--port", "the OpenAI API's HTTP port (0: any free port)", field="gateway_port"),
+    switch(
+        "--no-gateway",
+        "start no gateway (clients call the scheduler)",
+        field="gateway",
+        to_field=operator.not_,
+    ),
+    *flags.api_key_flags("the gateway requires `Authorization: Bearer KEY`", metrics_auth=None),
+    switch(
+        "--tls",
+        "mutual TLS inside, HTTPS outside, with a throwaway CA made for this run",
+        field="throwaway_tls",
+    ),
+    *flags.TLS,
+    option(
+        "--reasoning-parser",
+        GatewayConfig.reasoning_parser,
+        "the gateway's --reasoning-parser (deepseek_r1)",
+    ),
+    option(
+        "--tool-call-parser",
+        GatewayConfig.tool_call_parser,
+        "the gateway's --tool-call-parser",
+    ),
+    Flag("--grpc-port", "the gateway's public gRPC port"),
+    Flag("--scheduler-port", "the first scheduler's gRPC port (0: any free)"),
+    Flag("--cluster", "cluster name (Redis key prefix)"),
+    option("--num-kv-blocks", 0, "KV cache blocks per worker (0: from memory)"),
+    option("--torch-threads", 1, "torch threads per decode or aggregated worker"),
+    option(
         "--prefill-torch-threads",
         0,
         "torch threads per prefill worker (0: the machine's cores, split among them)",
-    )
-    flags.add(
-        p,
+    ),
+    option(
         "--decode-nice",
         19,
         "decode workers' CPU priority below the rest (0..19): prompts first on shared cores",
-    )
-    flags.add(p, "--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)")
-    flags.add(p, "--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl")
-    flags.add_tracing_flags(p, "a directory: every service appends its spans to NAME.jsonl in it")
-    flags.add(p, "--worker-args", "", "extra `ferry serve` flags for every worker")
-    for role in WORKER_ROLES:
-        flags.add(p, f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")
-    flags.add(
-        p,
+    ),
+    option("--keepalive", KEEPALIVE_S, "every service's --keepalive (gRPC ping period)"),
+    option("--heartbeat-ttl", ServiceConfig.ttl_s, "every service's --heartbeat-ttl"),
+    *flags.tracing("a directory: every service appends its spans to NAME.jsonl in it"),
+    option("--worker-args", "", "extra `ferry serve` flags for every worker"),
+    *(
+        option(f"--{role}-args", "", f"extra `ferry serve` flags for the {role} workers")
+        for role in WORKER_ROLES
+    ),
+    Flag(
         "--restart",
-        "on-failure",
         "start a dead child again (a DEP group as one): after a crash, after any exit, or never",
+        default=RestartPolicy.mode,
         choices=list(RESTART_MODES),
-    )
+        to_field=RestartPolicy,
+    ),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

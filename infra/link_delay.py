@@ -56,7 +56,9 @@ def run(queue: int, delay_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--queue", type=int, required=True)
     p.add_argument("--delay-ms", type=float, required=True)
     args = p.parse_args(argv)

@@ -341,6 +341,8 @@ def _run(cmd: list[str], capture: bool = False, check: bool = True) -> str:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="remove the hosts of a process once it is gone")
+    parser = argparse.ArgumentParser(
+        description="remove the hosts of a process once it is gone", allow_abbrev=False
+    )
     parser.add_argument("--reap", type=int, required=True, metavar="OWNER_PID")
     _reap(parser.parse_args().reap)

@@ -148,7 +148,9 @@ def _list(spans: list[Span]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ferry.infra.trace_view", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m ferry.infra.trace_view", description=__doc__, allow_abbrev=False
+    )
     p.add_argument("files", nargs="+", help="--trace-file files, or directories of them")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--trace-id", default="", help="the trace to show (32 hex digits)")

@@ -608,7 +608,9 @@ def pick_device(tiny: bool, needs_gpu: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     suites = list(SUITES)
     p.add_argument("--only", nargs="+", choices=suites, help="suites to run (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")

@@ -27,32 +27,15 @@ from ferry.gateway.sdk.errors import from_rpc_error
 from ferry.gateway.sdk.types import Chunk, Completion, Model, Usage
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
 
-_SAMPLING = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "logprobs",
-    "prompt_logprobs",
-    "min_tokens",
-    "ignore_eos",
-    "logit_bias",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "priority",
-    "structured_output",
-)
+# the keywords generate() and complete() take: every SamplingParams field but stop, an
+# argument of its own
+_SAMPLING = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name) - {"stop"}
 
 
 def _request(
     prompt: str | Sequence[int], model: str, stop: str | Sequence[str] | None, kw: dict[str, Any]
 ) -> ferry_pb2.TextGenerateRequest:
-    unknown = set(kw) - set(_SAMPLING)
+    unknown = set(kw) - _SAMPLING
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
     params = common_pb2.SamplingParams(**{k: v for k, v in kw.items() if v is not None})
@@ -153,11 +136,11 @@ class FerryClient(_Base):
         """Stream chunks as they are generated. ``sampling``: max_tokens, temperature, top_p,
         top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, seed, logprobs,
         prompt_logprobs (n: each prompt token's logprob after the first, plus the top n, on the
-        first chunk), min_tokens, ignore_eos, logit_bias ({token id: bias in [-100, 100]}),
-        skip_special_tokens (True), include_stop_str_in_output (False), priority (0; lower is
-        admitted first and preempted last on each worker), structured_output (one of
-        {"json_schema": "<schema JSON>"}, {"json_object": True}, {"regex": ...},
-        {"choice": {"values": [...]}}, {"grammar": "<EBNF>"}).
+        first chunk), min_tokens, ignore_eos, stop_token_ids, logit_bias ({token id: bias in
+        [-100, 100]}), skip_special_tokens (True), include_stop_str_in_output (False),
+        priority (0; lower is admitted first and preempted last on each worker),
+        structured_output (one of {"json_schema": "<schema JSON>"}, {"json_object": True},
+        {"regex": ...}, {"choice": {"values": [...]}}, {"grammar": "<EBNF>"}).
         With ``stream=False`` the one chunk holds everything."""
         req = _request(prompt, model if model is not None else self.model, stop, sampling)
         chunks = self._stream(req)

@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="ferry simulate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     configure(p)
     args = p.parse_args(argv)

@@ -159,7 +159,7 @@ class Trace(Workload):
     ``arrival_s`` (then it is replayed open loop at those times, divided by the load) or
     ``think_s``. A prompt given by length only is the first tokens of a stream of ids seeded
     by its session, so a session's later turns extend its earlier ones. An AgentX trace
-    (loadtest/agentx.py --out) is read as that generator's sessions instead."""
+    (loadtest/write_trace.py) is read as that generator's sessions instead."""
 
     name = "trace"
 

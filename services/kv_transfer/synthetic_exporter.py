@@ -75,7 +75,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--transport", default="ucx")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=1024)
