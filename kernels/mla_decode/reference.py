@@ -59,12 +59,12 @@ def mla_decode_torch(
 
     In a compiled graph of several sequences on the CPU this is one opaque op
     (``ferry::mla_decode_paged``), the same code as eagerly: inductor's own gather and products
-    over the table's whole width took 1.7x the time at 16 sequences of ~2,000 tokens (40 against
-    24 ms a step of tiny), 2.3x at 16 of 200..4,000. Elsewhere a graph reads the whole width.
+    over the table's whole width were slower, the more so the more the lengths differ.
+    Elsewhere a graph reads the whole width.
     """
     if torch.compiler.is_compiling():
         # (not the batch-1 graph, whose batch is the constant 1: there the graph's own fused
-        # code is faster, 1.6 against 2.8 ms a step of tiny at 600 tokens)
+        # code is faster)
         one = isinstance(q.shape[0], int) and q.shape[0] == 1
         if q.device.type == "cpu" and not one:
             out: torch.Tensor = torch.ops.ferry.mla_decode_paged(
@@ -123,8 +123,8 @@ def length_groups(lens: list[int]) -> list[list[int]]:
     return [list(group) for group in _length_groups(tuple(lens))]
 
 
-# Every layer of a step asks with the same lengths: the dynamic programming (O(B^2), 2.3 ms at
-# 256 sequences) runs once a step.
+# Every layer of a step asks with the same lengths: the dynamic programming (O(B^2) in the
+# batch) runs once a step.
 @functools.lru_cache(maxsize=4)
 def _length_groups(lens: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     order = sorted(range(len(lens)), key=lens.__getitem__)

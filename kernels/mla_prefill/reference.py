@@ -20,8 +20,8 @@ def prefill_attention_torch(
     q_len, ctx_len = q.shape[1], k.shape[1]
     v_dim = v.shape[-1]
     # NOTE: only 4-D inputs whose values are as wide as their keys reach torch's fused (flash)
-    # CPU kernel; the rest fall back to the unfused math path, ~6x slower here (2,000 tokens,
-    # MLA's 48-wide keys and 32-wide values: 0.34 s a layer, 0.056 with the values padded).
+    # CPU kernel; the rest fall back to the unfused math path, several times slower: padding
+    # the values to the keys' width costs far less.
     if v_dim < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - v_dim))
     q4, k4, v4 = q[None], k[None], v[None]
@@ -42,7 +42,7 @@ def _prefix_then_causal(
     """A chunk after ``prefix`` cached positions, without a mask: the queries over the prefix
     (all of it visible), then over their own keys (causal, square), merged by each part's
     log-sum-exp. A boolean mask made the flash kernel compute the masked-out triangle and read
-    the mask: 33 against 24 ms a layer for 1,200 tokens after 1,300 (8 heads, 2 threads)."""
+    the mask, which costs more than the second call."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     seen, seen_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=softmax_scale)
     own, own_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=softmax_scale)

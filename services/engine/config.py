@@ -39,7 +39,7 @@ class EngineConfig:
     # Eager steps of fewer new tokens than this run on one torch thread (0: every step on all).
     # A prefill worker's steps of a few hundred tokens gain little from a second thread, whose
     # split products and spinning through the serial parts cost CPU that a decode worker could
-    # use: 248 tokens after 1,472 cached took 77 ms of CPU on one thread, 80-114 on two.
+    # use (`loadtest/results/peer-llamacpp.json` runs with it).
     one_thread_below: int = 0
     # False: no decode graphs (a prefill worker never decodes), but the eager steps still get
     # their compiled pieces (piece_graphs.py) unless ``enforce_eager``

@@ -33,24 +33,22 @@ Log = Callable[[str], None]
 
 # The batch-1 graph (one user: the latency that counts) freezes the weights into the graph as
 # constants (prepacked: a second copy of them), so that max-autotune may pick inductor's C++
-# micro-GEMM over the BLAS call: at batch 1 it took 2.6 us where MKL took 9.6 for a 256x128
-# product, and the tiny model's step went from ~1.0 to ~0.6 ms. Inductor's on-disk cache skips
-# frozen graphs, so this one compiles at every start (~30 s for tiny); the batched graph stays
-# unfrozen and cached (~5 s once warm). Its ~50 kernels are called from generated C++, not from
-# a generated Python function, which cost ~0.4 ms a step (tiny: 1.59 -> 1.18 ms). The batched
-# graph keeps the Python wrapper: served, the C++ one gave no more tokens a second.
+# micro-GEMM, faster than the BLAS call for a decode step's small products. Inductor's on-disk
+# cache skips frozen graphs, so this one compiles at every start; the batched graph stays
+# unfrozen and cached. Its kernels are called from generated C++, not from a generated Python
+# function, whose per-call cost was a large share of a tiny step. The batched graph keeps the
+# Python wrapper: served, the C++ one gave no more tokens a second.
 SINGLE_USER_OPTIONS = {
     "cpp_wrapper": True,
     "freezing": True,
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
-# DeepSeek-V4's step has several times V3's matrix shapes, and autotuning takes 3-4 s for each:
-# v4-tiny's batch-1 graph took ~170 s to compile, past the start-up bound. So V4 compiles one
-# unfrozen graph, cached on disk, for every batch from 1: with the C++ wrapper, v4-tiny's step
-# took 1.1 ms at batch 1 and 2.2 at 8, against 1.5 and 2.6 with the Python one (a graph for
-# batch 1 alone gained nothing over it). Its kernels build apart from the wrapper: 75 s to
-# compile with an empty cache against 94 as one build, the same speed; ~10 s from the cache.
+# DeepSeek-V4's step has several times V3's matrix shapes, and autotuning each would put the
+# batch-1 graph's compile past the start-up bound. So V4 compiles one unfrozen graph, cached on
+# disk, for every batch from 1, with the C++ wrapper (faster than the Python one at 1 and 8
+# users; a graph for batch 1 alone gained nothing over it). Its kernels build apart from the wrapper, which compiles sooner at the same
+# speed.
 V4_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 

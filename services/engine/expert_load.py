@@ -83,7 +83,8 @@ class ExpertLoad:
     def counts_buffer(self, device: torch.device) -> torch.Tensor:
         """The bucket being filled, as one [num_moe_layers * num_experts] int64 tensor that a
         compiled step adds its choices into (``MoECausalLM.decode_graph``): nothing left to do
-        on the host (a bincount here took ~35 us of a ~0.9 ms step). The step leaves the rows
+        on the host (a bincount per step is a few percent of a small model's decode step). The
+        step leaves the rows
         of hash-routed layers alone: they count from the tokens (``add_tokens``)."""
         if self._current is None:
             self._current = torch.zeros(self.shape, dtype=torch.long, device=device)

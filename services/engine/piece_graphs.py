@@ -11,9 +11,7 @@ decode graphs (``decode_graphs.py``) do not run: prefill chunks and batches past
   past 16, reading every token's experts lost to the loop in the decode graphs of ``small``.
 
 Each piece takes its weights as arguments, so one exported graph, the token count symbolic,
-serves every layer and every step without recompiling; inductor caches it on disk. Before V4
-had a decode graph, they took v4-tiny's one-user decode from 15.7 to 11.3 ms per token
-(``make profile-decode``; the mixing alone: 15.1 -> 12.1).
+serves every layer and every step without recompiling; inductor caches it on disk.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ from torch import nn
 
 from ferry.kernels.fused_moe.reference import fused_moe_gathered
 from ferry.services.engine.decode_graphs import export_and_compile, unlike
-from ferry.services.engine.model.layers import MoE
-from ferry.services.engine.model.layers_v4 import HyperConnection
+from ferry.services.engine.model.moe import MoE
+from ferry.services.engine.model.v4.layers import HyperConnection
 
 Log = Callable[[str], None]
 Compiled = Callable[..., Any]
