@@ -47,12 +47,11 @@ think time                  exponential, mean 0.5 s, at most 3 s         ~0.5 s
 A trace file is JSON lines: a header ``{"agentx": 1, "config": {...}}``, then one line per
 request (see :class:`Request`), sessions in order. ``write_trace`` / ``read_trace``, or
 
-    python loadtest/agentx.py --sessions 200 --out trace.jsonl   # then locust --agentx-trace
+    python loadtest/write_trace.py --sessions 200 --out trace.jsonl   # then locust --agentx-trace
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -357,21 +356,3 @@ def summary(sessions: list[Session]) -> dict[str, float]:
         "context_tokens_max": max(r.prompt_tokens + r.max_tokens for r in reqs),
         "output_tokens_mean": sum(r.max_tokens for r in reqs) / len(reqs),
     }
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Write an AgentX-like trace (JSON lines).")
-    p.add_argument("--out", required=True, help="the trace file to write")
-    p.add_argument("--sessions", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-context", type=int, default=4096, help="the model's max_model_len")
-    args = p.parse_args(argv)
-    config = WorkloadConfig(seed=args.seed, max_context_tokens=args.max_context)
-    sessions = generate_sessions(config, 0, args.sessions)
-    n = write_trace(args.out, config, sessions)
-    print(f"wrote {n} requests of {len(sessions)} sessions to {args.out}")
-    print(json.dumps(summary(sessions), indent=2))
-
-
-if __name__ == "__main__":
-    main()

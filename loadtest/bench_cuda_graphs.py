@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
+from harness import record, write_result
 
 from ferry.services.engine.model import load_model
 from ferry.services.engine.model.forward_batch import GraphStep
@@ -120,7 +118,9 @@ def timed(fn: Any, steps: int, warmup: int = 3) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", default="small")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="", help="default: bfloat16 on a GPU, float32 on the CPU")
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("bench_cuda_graphs: no CUDA device here (--device cpu checks the script)")
         return 0
+    header = record()
     dtype = getattr(torch, args.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
     batches = [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     result = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **header,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "model": args.model,
@@ -177,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.out or (DEFAULT_OUT if dev.type == "cuda" else "")
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_result(out, result)}")
     return 0
 
 

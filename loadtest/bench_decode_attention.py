@@ -14,18 +14,14 @@ sessions). One torch thread, as a decode worker runs.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from profile_decode import decode_steps
-from sweep import machine_info
+from engine_steps import decode_steps
+from harness import record, write_result
 
 from ferry.kernels import dispatch
 from ferry.kernels.mla_decode.native_kernel import mla_decode_native
@@ -96,7 +92,9 @@ def time_steps(batch: int, prompt_len: int, rounds: int, tokens: int) -> dict[st
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--step-batch", type=int, default=24)
@@ -104,12 +102,7 @@ def main() -> None:
     p.add_argument("--out", default="loadtest/results/decode-attention-cpu.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    result: dict[str, Any] = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {**machine_info(""), "torch_threads": args.threads},
-        "op": {},
-    }
+    result: dict[str, Any] = {**record(torch_threads=args.threads), "op": {}}
     with torch.inference_mode():
         for name, lens in OP_CASES:
             row = time_op(lens, args.rounds, 10)
@@ -125,10 +118,7 @@ def main() -> None:
         f"{steps['torch_ms_per_step']:.1f} ms, C {steps['c_ms_per_step']:.1f} ms "
         f"({steps['speedup']:.2f}x)"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_result(args.out, result)}")
 
 
 if __name__ == "__main__":

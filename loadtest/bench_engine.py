@@ -19,24 +19,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
-import os
-import platform
 import pstats
-import shlex
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+from harness import record, write_result
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model import PRESETS, export_preset
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
-from ferry.services.engine.model.config_v4 import V4ModelConfig
 from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
-from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
+from ferry.services.engine.model.v4.config import V4ModelConfig
+from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 
 # the full-size models the presets stand for (shapes only): DeepSeek-V3 and V4-Flash, bf16
 FULL_SIZE = {
@@ -191,7 +186,9 @@ def _config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("--model", default="small")
     ap.add_argument("--num-requests", type=int, default=256)
@@ -204,6 +201,7 @@ def main() -> None:
     if args.out is None:
         suffix = "" if args.model == "small" else f"-{args.model}"
         args.out = f"loadtest/results/engine{suffix}.json"
+    header = record(threads=torch.get_num_threads())
     reqs = workload(args.num_requests, args.seed)
     shares = {}
     for batch in (1, 64):
@@ -226,14 +224,7 @@ def main() -> None:
         f"{shares[1]['share']:.1%} at 1, {shares[64]['share']:.1%} at 64 (target <= 10%)"
     )
     result = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        },
+        **header,
         "workload": {
             "model": args.model,
             "dtype": "float32",
@@ -251,9 +242,7 @@ def main() -> None:
         "kv_cache": kv_bytes(),
         "targets": {"ratio": 5, "outside_forward_share": 0.10},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -22,20 +22,16 @@ Then DeepSeek-V4-Flash's hash-routed layers as their own class (``eplb_hash_laye
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import eplb_hash_layers
 import numpy as np
 import torch
+from harness import record, write_result
 from reference_eplb import rebalance_experts
 
 from ferry.services.engine.experts import ExpertPlacement
@@ -165,19 +161,6 @@ def run(cfg: Config, kind: str, seed: int, reps: int) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
-    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": round(pages * page_size / 2**30, 1),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def report(row: dict[str, Any]) -> str:
     bal, sec, moved = row["balancedness"], row["seconds"], row["drift"]["slots_moved"]
     return (
@@ -190,7 +173,9 @@ def report(row: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--reps", type=int, default=7, help="timed runs per algorithm (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -203,6 +188,11 @@ def main() -> None:
     p.add_argument("--out", default="loadtest/results/eplb.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    header = record(
+        processor=platform.processor() or platform.machine(),
+        numpy=np.__version__,
+        torch_threads=torch.get_num_threads(),
+    )
     results = []
     for cfg in configs():
         for kind in ("zipf", "lognormal"):
@@ -213,15 +203,12 @@ def main() -> None:
     print(eplb_hash_layers.report(hashed), flush=True)
     met.update(hashed["targets"])
     out = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
+        **header,
         "targets_met_everywhere": met,
         "results": results,
         "v4_hash_layers": hashed,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(f"targets met on every config: {met}\nwrote {args.out}")
 
 

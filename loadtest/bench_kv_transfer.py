@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import libucx
 import torch
+from harness import record, write_result
 
 from ferry.services.engine.kv_cache import KVCacheManager
 from ferry.services.kv_transfer.endpoints import KvImporter
@@ -239,7 +239,9 @@ def of_perftest(rows: list[dict[str, object]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("--tokens", default="1024,8192,32768")
     ap.add_argument("--layouts", default="small,deepseek-v3")
@@ -265,6 +267,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.ucx_progress_mode:  # before ucxx is imported here, and inherited by the exporters
         os.environ["UCXPY_PROGRESS_MODE"] = args.ucx_progress_mode
+    header = record(
+        ucx_env=UCX_DEFAULTS,
+        ucx_progress_mode=os.environ.get("UCXPY_PROGRESS_MODE", "ucxx default (thread)"),
+    )
     tokens = [int(t) for t in args.tokens.split(",")]
     results: list[dict[str, object]] = []
     for name in args.layouts.split(","):
@@ -303,20 +309,7 @@ def main() -> None:
             )
         of_perftest([r for r in results if r["layout"] == name])
         print(json.dumps([r for r in results if r["layout"] == name], indent=1), flush=True)
-    out = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "ucx_env": UCX_DEFAULTS,
-            "ucx_progress_mode": os.environ.get("UCXPY_PROGRESS_MODE", "ucxx default (thread)"),
-        },
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, {**header, 'results': results})}")
 
 
 if __name__ == "__main__":

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
-import shlex
 import signal
 import statistics
-import sys
-import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import torch
+from harness import launched, record, write_result
 
 from ferry.infra.launcher import ClusterSpec, Launcher
 from ferry.infra.ports import free_port
@@ -137,7 +133,9 @@ def _serving(launcher: Launcher, name: str, timeout: float = 60) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", default="tiny")
     p.add_argument("--requests", type=int, default=8, help="sent at once")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -154,6 +152,7 @@ def main() -> None:
     )
     p.add_argument("--out", default="loadtest/results/migration.json")
     args = p.parse_args()
+    header = record()
     worker = ["--model", args.model, "--block-size", "16", "--log-level", "warning"]
     moves = ["--migration-limit", "1", "--log-level", "warning"]
     by_gateway = args.kill == "scheduler"
@@ -173,14 +172,11 @@ def main() -> None:
             "gateway": ["--model", args.model, *moves],
         },
     )
-    launcher = Launcher(spec)
-    launcher.start()
-    threading.Thread(target=launcher.wait, daemon=True).start()  # restarts the killed service
     address = f"{spec.host}:{spec.grpc_port if by_gateway else spec.scheduler_port}"
     mover = "gateway" if by_gateway else "scheduler"
     gen = torch.Generator().manual_seed(args.seed)
     trials = []
-    try:
+    with launched(spec, supervise=True) as launcher:  # its supervisor restarts the killed service
         for t in range(args.trials):
             prompts = [
                 torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
@@ -222,14 +218,9 @@ def main() -> None:
                 flush=True,
             )
             _serving(launcher, victim)
-    finally:
-        launcher.request_stop()
-        launcher.stop()
     moved_gaps = [g for r in trials for g in r["moved_max_gaps_s"]]  # type: ignore[attr-defined]
     result = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        **header,
         "workload": {
             "model": args.model,
             "requests": args.requests,
@@ -254,9 +245,7 @@ def main() -> None:
         ),
         "trials": trials,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -17,15 +17,13 @@ import argparse
 import functools
 import json
 import math
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
+from harness import record, write_result
 
 from ferry.kernels import bench
 from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
@@ -119,28 +117,22 @@ def model_rows(tiny: bool) -> Iterator[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default: {DEFAULT_OUT})")
     p.add_argument("--tiny", action="store_true", help="the tiny preset, any device")
     args = p.parse_args(argv)
     if (status := bench.pick_device(args.tiny, "this benchmark needs a GPU")) is not None:
         return status
     torch.manual_seed(0)
-    command = ["python", "loadtest/bench_model_kernels.py", *(argv or sys.argv[1:])]
-    result: dict[str, Any] = {
-        "command": shlex.join(command),
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": str(bench.DEVICE),
-        "results": [],
-    }
+    result: dict[str, Any] = {**record(argv=argv), "device": str(bench.DEVICE), "results": []}
     started = time.perf_counter()
     for row in model_rows(args.tiny):
         result["results"].append(row)
         print(json.dumps(row), flush=True)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(f"wrote {out} ({result['seconds']} s)")
     return 0 if all(r["ok"] for r in result["results"]) else 1
 

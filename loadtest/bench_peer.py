@@ -28,30 +28,18 @@ import json
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 import torch
 from agentx import WorkloadConfig, generate_sessions, summary, write_trace
+from engine_steps import decode_steps
+from harness import CONFIGS, ClusterConfig, ferry_up, record, warm_up, write_result
+from levels import Server, level_stats, plan_levels, run_locust
 from llamacpp import build_server, convert, llama_server, say
-from profile_decode import decode_steps
-from sweep import (
-    CONFIGS,
-    ClusterConfig,
-    level_stats,
-    machine_info,
-    plan_levels,
-    run_locust,
-    warm_up,
-)
-from sweep import (
-    ferry_up as start_ferry,
-)
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
@@ -60,15 +48,6 @@ HERE = Path(__file__).resolve().parent
 # only once the other has been idle this long
 IDLE_S = 2.0
 PEER = ClusterConfig("llamacpp", "llama-server -np 32 -t 2 -fa off", ())
-
-
-@dataclass
-class Peer:
-    """What ``sweep.run_locust`` needs of a server."""
-
-    config: ClusterConfig
-    http: str
-    grpc: str = ""
 
 
 def check_logits(url: str, engine: Engine, tokens: int = 32) -> dict[str, Any]:
@@ -137,14 +116,23 @@ def single_user(url: str, engine: Engine, rounds: int) -> dict[str, Any]:
 
 
 def served(
-    server: Peer | Any, args: argparse.Namespace, trace: Path, work_dir: Path
+    server: Server, args: argparse.Namespace, trace: Path, work_dir: Path
 ) -> list[dict[str, Any]]:
+    """The AgentX-like sessions at each level as streaming completions (the prompt text)."""
     rows = []
     for level in plan_levels(args.levels, args.duration):
-        log = run_locust(server, level, trace, args, work_dir)
+        log = run_locust(
+            server,
+            level,
+            trace,
+            duration_s=args.duration,
+            model="tiny",
+            api="completions",
+            work_dir=work_dir,
+        )
         reqs = [r for r in log if "summary" not in r]
         row = {"concurrency": level.concurrency, **level_stats(reqs, 1, 2.0, 0.05)}
-        say(f"{server.config.name} c={level.concurrency}: {_brief(row)}")
+        say(f"{server.name} c={level.concurrency}: {_brief(row)}")
         rows.append(row)
     return rows
 
@@ -221,7 +209,9 @@ def _cell(row: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--concurrency", default="1,8,32", help="live sessions per level")
     p.add_argument("--duration", type=int, default=30, help="seconds per level")
     p.add_argument("--rounds", type=int, default=5, help="single-user rounds, taking turns")
@@ -243,7 +233,6 @@ def main() -> None:
         print(table(json.loads(out.read_text())))
         return
     args.levels = [int(c) for c in args.concurrency.split(",")]
-    args.model, args.api = "tiny", "completions"
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="ferry-peer-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
@@ -251,9 +240,7 @@ def main() -> None:
     binary = build_server()
     ckpt, gguf = convert("tiny")
     result: dict[str, Any] = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(""),
+        **record(),
         "llamacpp": {
             "source": "llama-cpp-python 0.3.36 sdist (vendored llama.cpp)",
             "commit": _commit(binary),
@@ -287,20 +274,20 @@ def main() -> None:
     result["served"] = {}
     slots = max(args.levels)
     with llama_server(binary, gguf, args.threads, slots, 4096, work_dir / "llama.log") as url:
-        result["served"]["llamacpp"] = served(Peer(PEER, url), args, trace, work_dir)
-    started = time.monotonic()
-    with start_ferry(CONFIGS["1p1d"], "tiny", work_dir) as cluster:
-        result["ferry"]["ready_s"] = time.monotonic() - started
+        result["served"]["llamacpp"] = served(Server(PEER.name, url), args, trace, work_dir)
+    with ferry_up(CONFIGS["1p1d"], "tiny", work_dir) as cluster:
+        result["ferry"]["ready_s"] = cluster.ready_s
         warm_up(cluster, "tiny", 2)
-        result["served"]["ferry"] = served(cluster, args, trace, work_dir)
+        server = Server(cluster.config.name, cluster.http, cluster.grpc)
+        result["served"]["ferry"] = served(server, args, trace, work_dir)
     for name, flags in variants(args.ferry_variants).items():
         config = ClusterConfig(name, flags, (*CONFIGS["1p1d"].args, *shlex.split(flags)))
-        with start_ferry(config, "tiny", work_dir) as cluster:
+        with ferry_up(config, "tiny", work_dir) as cluster:
             warm_up(cluster, "tiny", 2)
-            result["served"][f"ferry {name}"] = served(cluster, args, trace, work_dir)
+            server = Server(cluster.config.name, cluster.http, cluster.grpc)
+            result["served"][f"ferry {name}"] = served(server, args, trace, work_dir)
         result["ferry"].setdefault("variants", {})[name] = flags
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     plot(result, out.with_suffix(".png"))
     print(table(result))
     print(f"wrote {out} and {out.with_suffix('.png')} (logs: {work_dir})")

@@ -30,23 +30,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import torch
-from sweep import scrape
+from harness import launched, record, services_metrics, write_result
 
 from ferry.infra.launcher import ClusterSpec, Launcher
 from ferry.infra.ports import free_port
 from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from ferry.services.common.cluster_state import ClusterState, WorkerView
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -116,29 +110,16 @@ async def _drive(address: str, prompts: list[list[int]], n: int) -> dict[str, ob
 
 def kv_bytes_moved(launcher: Launcher) -> float:
     """KV bytes the cluster's workers have received so far (their transfer counters)."""
-
-    async def views() -> list[WorkerView]:
-        state = ClusterState(launcher.redis_url, launcher.spec.cluster)
-        try:
-            return await state.workers()
-        finally:
-            await state.close()
-
-    return sum(
-        value
-        for v in asyncio.run(views())
-        if v.record.metrics_port > 0
-        for key, value in scrape(f"http://127.0.0.1:{v.record.metrics_port}/metrics")
-        if key.startswith("ferry_kv_transfer_bytes_total")
-    )
+    metrics = services_metrics(launcher.redis_url, launcher.spec.cluster)
+    return sum(v for k, v in metrics.items() if k.startswith("ferry_kv_transfer_bytes_total"))
 
 
-def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     worker = ["--model", args.model, "--kv-transport", args.kv_transport, "--log-level", "warning"]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     threads = ["--torch-threads", str(args.worker_threads)]
-    spec = ClusterSpec(
+    return ClusterSpec(
         prefill=args.prefill,
         decode=args.decode,
         scheduler_port=free_port(),
@@ -150,13 +131,12 @@ def start_cluster(args: argparse.Namespace) -> tuple[Launcher, str]:
             "scheduler": ["--log-level", "warning"],
         },
     )
-    launcher = Launcher(spec)
-    launcher.start()
-    return launcher, f"{spec.host}:{spec.scheduler_port}"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", default="tiny")
     p.add_argument("--requests", type=int, default=64, help="all sent at once")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
@@ -172,15 +152,17 @@ def main() -> None:
     args = p.parse_args()
     suffix = "" if args.model == "tiny" else f"-{Path(args.model).name}"
     args.out = args.out or f"loadtest/results/services{suffix}.json"
+    header = record()
     all_cores = torch.get_num_threads()
     n, span = args.output_len, tuple(args.prompt_len)
     warmup = workload(8, args.seed + 1000, span)
 
     engine = Engine(EngineConfig(model=args.model, num_kv_blocks=args.num_kv_blocks or None))
     engine.generate(warmup, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    launcher, address = start_cluster(args)
+    spec = cluster_spec(args)
+    address = f"{spec.host}:{spec.scheduler_port}"
     rounds = []
-    try:
+    with launched(spec) as launcher:
         asyncio.run(_drive(address, warmup, n))
         for r in range(args.rounds):
             prompts = workload(args.requests, args.seed + r, span)
@@ -198,8 +180,6 @@ def main() -> None:
                 + ", ".join(f"{k} {v['output_tokens_per_s']:.0f} tok/s" for k, v in row.items()),
                 flush=True,
             )
-    finally:
-        launcher.stop()
 
     def median(key: str) -> float:
         return statistics.median(float(r[key]["output_tokens_per_s"]) for r in rounds)  # type: ignore[arg-type]
@@ -211,13 +191,7 @@ def main() -> None:
         )
 
     result = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        **header,
         "workload": {
             "model": args.model,
             "requests": args.requests,
@@ -257,9 +231,7 @@ def main() -> None:
         f"{result['ratio']:.0%} (target >= 70%); / in-process on all {all_cores} cores: "
         f"{result['ratio_all_cores']:.0%}"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, result)}")
 
 
 if __name__ == "__main__":

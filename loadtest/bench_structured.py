@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
-import sys
 import time
-from pathlib import Path
 
 import torch
+from harness import record, write_result
 
 from ferry.services.common.sampling_params import StructuredOutput
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
@@ -97,13 +93,16 @@ def synthetic_vocab(size: int, seed: int) -> list[bytes]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="loadtest/results/structured.json")
     args = ap.parse_args()
+    header = record(threads=torch.get_num_threads())
 
     engine = Engine(EngineConfig(model=args.model, block_size=16))
     prompts = [engine.tokenizer.encode(f"Request {i}: write something.") for i in range(args.batch)]
@@ -117,14 +116,7 @@ def main() -> None:
     small = compile_ms([bytes((i,)) if i < 256 else b"" for i in range(384)], eos)
     large = compile_ms(synthetic_vocab(129_280, 0), 129_279)
     result = {
-        "command": shlex.join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        },
+        **header,
         "decode": {
             "model": args.model,
             "batch": args.batch,
@@ -135,7 +127,7 @@ def main() -> None:
         },
         "compile": {"preset_vocab": small, "synthetic_deepseek_size_vocab": large},
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

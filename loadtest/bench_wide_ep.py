@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness import record, write_result
 
 from ferry import kernels as ops
 from ferry.infra.ports import free_port
@@ -115,7 +112,9 @@ def _decode_rank(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", default="small")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank in the layer timing")
     p.add_argument("--iters", type=int, default=30)
@@ -123,13 +122,7 @@ def main() -> None:
     p.add_argument("--out", default="loadtest/results/wide_ep.json")
     args = p.parse_args()
     result: dict[str, object] = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        **record(),
         "model": args.model,
         "layer": {},
         "decode": {},
@@ -175,9 +168,7 @@ def main() -> None:
         d["dep2_group"]["output_tokens_per_s"]  # type: ignore[index]
         / d["two_independent_workers"]["output_tokens_per_s"]
     )  # type: ignore[index]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(args.out, result)}")
 
 
 if __name__ == "__main__":

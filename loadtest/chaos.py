@@ -27,26 +27,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
-import shlex
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 from agentx import WorkloadConfig, generate_sessions, render_prompt
+from harness import WORKER_ROLES, launched, record, worker_views, write_result
 
 from ferry.infra import netns
 from ferry.infra.launcher import Child, ClusterSpec, Launcher
 from ferry.protos import common_pb2, ferry_pb2, ferry_pb2_grpc
-from ferry.services.common.cluster_state import ClusterState
+from ferry.services.common.cluster_state import WorkerView
 
 STOP_S = 20.0  # SIGSTOP lasts this long
 LEAD_S = 3.0  # load before the fault
@@ -228,19 +224,11 @@ class Load:
 
 
 class Cluster:
-    """A launcher in this process (its supervisor on a thread) on ``hosts`` hosts."""
+    """The faults' view of a started launcher (its supervisor on a thread) on its hosts."""
 
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.launcher = Launcher(spec)
-        self.spec = self.launcher.spec
-
-    def start(self) -> None:
-        self.launcher.start()
-        threading.Thread(target=self.launcher.wait, daemon=True).start()
-
-    def stop(self) -> None:
-        self.launcher.request_stop()
-        self.launcher.stop()
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.spec = launcher.spec
 
     @property
     def hosts(self) -> netns.Hosts:
@@ -262,7 +250,7 @@ class Cluster:
     def settled(self, timeout: float) -> bool:
         """Every unit serving (restarted ones too), every worker registered again."""
         deadline = time.monotonic() + timeout
-        expected = {c.name for c in self.launcher.children if c.role in _WORKERS}
+        expected = {c.name for c in self.launcher.children if c.role in WORKER_ROLES}
         while time.monotonic() < deadline:
             units = self.launcher.units.values()
             if all(u.state == "serving" for u in units):
@@ -279,24 +267,17 @@ class Cluster:
             held = sum(
                 v.load.total_kv_blocks - v.load.free_kv_blocks
                 for v in self.views()
-                if v.load is not None and v.record.role in _WORKERS
+                if v.load is not None and v.record.role in WORKER_ROLES
             )
             if held == 0 or time.monotonic() > deadline:
                 return held
             time.sleep(0.25)
 
-    def views(self) -> list[Any]:
-        async def read() -> list[Any]:
-            state = ClusterState(self.launcher.redis_url, self.spec.cluster)
-            try:
-                return await state.workers()
-            except Exception:  # Redis restarting: no view yet
-                return []
-            finally:
-                with contextlib.suppress(Exception):
-                    await state.close()
-
-        return asyncio.run(read())
+    def views(self) -> list[WorkerView]:
+        try:
+            return worker_views(self.launcher.redis_url, self.spec.cluster)
+        except Exception:  # Redis restarting: no view yet
+            return []
 
     def inject(self, fault: Fault) -> None:
         """Make ``fault`` happen and, where it ends by itself, end it (blocking)."""
@@ -324,9 +305,6 @@ class Cluster:
                 for proc in delayers:
                     proc.terminate()
                     proc.wait()
-
-
-_WORKERS = ("prefill", "decode", "aggregated")
 
 
 # -- one fault ----------------------------------------------------------------------------------
@@ -415,7 +393,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--short", action="store_true", help="one fault of each kind, 1P2D")
     p.add_argument("--hosts", type=int, default=0, help="default: one per service group")
     p.add_argument("--model", default="tiny")
@@ -442,18 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chosen = [f for f in faults(args.short) if args.only in f.name]
     pool = job_pool(args.sessions, args.max_context, args.seed)
-    cluster = Cluster(cluster_spec(args))
+    header = record()
     started = time.time()
-    rows: list[dict[str, Any]] = []
-    try:
-        cluster.start()
-        say(f"cluster up on {args.hosts} hosts: {cluster.launcher.net.describe()}")  # type: ignore[union-attr]
+    with launched(cluster_spec(args), supervise=True) as launcher:
+        cluster = Cluster(launcher)
+        say(f"cluster up on {args.hosts} hosts: {launcher.net.describe()}")  # type: ignore[union-attr]
         rows = asyncio.run(_faults(cluster, pool, chosen, args))
-    finally:
-        cluster.stop()
     result = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **header,
         "hosts": args.hosts,
         "cluster": "1 prefill, "
         + ("2 decode" if args.short else "1 decode + a DEP2 decode group")
@@ -469,8 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "faults": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(table(rows))
     say(f"wrote {args.out}")
     bad = [r["name"] for r in rows if r["hung"] or r["leaked_kv_blocks"] or r["mismatched_outputs"]]

@@ -25,7 +25,7 @@ without a finish reason, carries an error, or the HTTP status is not 200.
 Options: ``--agentx-trace FILE`` (replay a trace; default: generate from ``--agentx-seed``),
 ``--agentx-sessions START:STOP`` (which sessions this run plays), ``--agentx-max-context``,
 ``--agentx-log FILE`` (one JSON line per request, and a last ``{"summary": ...}`` line with the
-requests started and finished: what ``sweep.py`` computes its figures from),
+requests started and finished: what ``levels.py`` computes a level's figures from),
 ``--agentx-grpc-host``, ``--agentx-model``.
 """
 

@@ -2,10 +2,10 @@
 whether it has torch loaded.
 
 Starts ``ferry up`` (tiny preset, one prefill and one decode worker, a private redis-server) on
-free ports, waits for the gateway's /health, then reads each process from /proc: ``VmRSS``,
-whether ``libtorch`` is mapped, and its start-up time (from the process's start to its
-``serving`` log line). The launcher (``ferry up`` itself) has no serving line: its start-up is
-the time until the gateway answers. Several runs; the medians go to the output, with the
+free ports (``harness.ferry_up``), waits until it is ready (its gateway answers), then reads each
+process from /proc: ``VmRSS``, whether ``libtorch`` is mapped, and its start-up time (from the
+process's start to its ``serving`` log line). The launcher (``ferry up`` itself) has no serving
+line: its start-up is the time until it is ready. Several runs; the medians go to the output, with the
 command that made them.
 
     python loadtest/process_footprint.py --label after --out loadtest/results/process_footprint.json
@@ -17,25 +17,17 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+from harness import ClusterConfig, ferry_up, record, write_result
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+DEFAULTS = ClusterConfig("footprint", "ferry up's defaults: 1 prefill + 1 decode worker", ())
 
 
 def boot_time() -> float:
@@ -79,14 +71,6 @@ def role_of(pid: int) -> tuple[str, str]:
     return role, name
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def serving_times(log: Path) -> dict[str, float]:
     """worker id (the gateway: "gateway") -> Unix time of its first ``serving`` line."""
     out: dict[str, float] = {}
@@ -101,67 +85,48 @@ def serving_times(log: Path) -> dict[str, float]:
     return out
 
 
-def one_run(ferry: str, timeout_s: float) -> dict[str, dict[str, object]]:
-    http, grpc_port, sched = free_port(), free_port(), free_port()
-    cmd = [
-        ferry,
-        "up",
-        "--port",
-        str(http),
-        "--grpc-port",
-        str(grpc_port),
-        "--scheduler-port",
-        str(sched),
-        "--cluster",
-        f"footprint-{os.getpid()}",
-    ]
-    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        t0 = time.time()
-        up = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if _answers(f"http://127.0.0.1:{http}/health"):
-                    break
-                if up.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"ferry up not ready (exit {up.poll()}); see {log.name}")
-                time.sleep(0.05)
-            ready = time.time()
-            time.sleep(1.0)  # let heartbeats and first scrapes settle
-            serving = serving_times(Path(log.name))
-            procs: dict[str, dict[str, object]] = {
-                "launcher": {
-                    "rss_mb": rss_mb(up.pid),
-                    "torch": has_torch(up.pid),
-                    "start_s": ready - t0,
-                },
+def one_run(timeout_s: float) -> dict[str, dict[str, object]]:
+    """Each process of one `ferry up` (its defaults: the tiny model, 1 prefill + 1 decode)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="ferry-footprint-") as work_dir,
+        ferry_up(
+            DEFAULTS,
+            "tiny",
+            Path(work_dir),
+            cluster=f"footprint-{os.getpid()}",
+            timeout_s=timeout_s,
+        ) as cluster,
+    ):
+        time.sleep(1.0)  # let heartbeats and first scrapes settle
+        serving = serving_times(cluster.log)
+        up = cluster.proc.pid
+        procs: dict[str, dict[str, object]] = {
+            "launcher": {"rss_mb": rss_mb(up), "torch": has_torch(up), "start_s": cluster.ready_s},
+        }
+        for pid in children(up):
+            role, name = role_of(pid)
+            if not role:
+                continue
+            start = serving.get(name)
+            procs[role] = {
+                "rss_mb": rss_mb(pid),
+                "torch": has_torch(pid),
+                "start_s": (start - process_start(pid)) if start else None,
             }
-            for pid in children(up.pid):
-                role, name = role_of(pid)
-                if not role:
-                    continue
-                start = serving.get(name)
-                procs[role] = {
-                    "rss_mb": rss_mb(pid),
-                    "torch": has_torch(pid),
-                    "start_s": (start - process_start(pid)) if start else None,
-                }
-            return procs
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(up.pid, signal.SIGTERM)
-            up.wait(60)
+        return procs
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--label", default="now", help="the key this run is stored under")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/process_footprint.json"))
     p.add_argument("--timeout", type=float, default=180.0)
     args = p.parse_args()
-    ferry = str(Path(sys.executable).parent / "ferry")
-    runs = [one_run(ferry, args.timeout) for _ in range(args.runs)]
+    header = record()
+    runs = [one_run(args.timeout) for _ in range(args.runs)]
     summary: dict[str, dict[str, object]] = {}
     for role in runs[0]:
         rows = [r[role] for r in runs if role in r]
@@ -172,15 +137,8 @@ def main() -> None:
             "torch_loaded": any(bool(r["torch"]) for r in rows),
         }
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
-    result[args.label] = {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "git": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "runs": args.runs,
-        "processes": summary,
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    result[args.label] = {**header, "runs": args.runs, "processes": summary}
+    write_result(args.out, result)
     print(json.dumps(result[args.label], indent=2))
 
 

@@ -17,48 +17,19 @@ are not operators: only what it hands to ATen/BLAS counts), and which take the C
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from engine_steps import add_requests, decode_steps
+from harness import record, write_result
 from torch.profiler import ProfilerActivity, profile
 
-from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine import Engine, EngineConfig
 
 MODES = ("eager", "compiled")  # EngineConfig(enforce_eager=True), and the default
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::einsum")
-
-
-def add_requests(engine: Engine, prompt: list[int], batch: int, tokens: int) -> None:
-    """``batch`` requests: ``prompt``, then copies with their own last token (no prefix hit
-    on it)."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        tokens_i = [*prompt[:-1], prompt[-1] % 200 + 2 + i] if i else prompt
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", tokens_i, params)
-
-
-def decode_steps(
-    engine: Engine, prompt: list[int], tokens: int, batch: int = 1
-) -> list[tuple[float, float]]:
-    """(step seconds, forward seconds) of each decode step of ``batch`` requests."""
-    add_requests(engine, prompt, batch, tokens)
-    steps = []
-    while engine.has_unfinished_requests():
-        started = time.perf_counter()
-        engine.step()
-        total = time.perf_counter() - started
-        stats = engine.last_step
-        if stats is not None and stats.num_tokens == batch == stats.num_seqs:  # a decode step
-            steps.append((total, stats.forward_s))
-    return steps
 
 
 def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int = 1) -> dict[str, Any]:
@@ -89,7 +60,9 @@ def op_profile(engine: Engine, prompt: list[int], steps: int, batch: int = 1) ->
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--tokens", type=int, default=128)
@@ -99,6 +72,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="", help="default: loadtest/results/profile-decode-MODEL.json")
     args = p.parse_args()
+    header = record(torch_threads=args.threads)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     base = torch.randint(1, 250, (args.prompt_len,), generator=gen).tolist()
@@ -116,14 +90,7 @@ def main() -> None:
         for mode in MODES:
             steps[mode] += decode_steps(engines[mode], prompt, args.tokens, args.batch)
     result: dict[str, Any] = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "torch_threads": args.threads,
-        },
+        **header,
         "model": args.model,
         "prompt_len": args.prompt_len,
         "batch": args.batch,
@@ -157,9 +124,9 @@ def main() -> None:
         result["eager"]["ms_per_token_median"] / result["compiled"]["ms_per_token_median"]
     )
     suffix = f"-b{args.batch}" if args.batch > 1 else ""
-    out = Path(args.out or f"loadtest/results/profile-decode-{args.model}{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(
+        args.out or f"loadtest/results/profile-decode-{args.model}{suffix}.json", result
+    )
     print(f"compiled decode: {result['speedup']:.2f}x eager")
     print(f"wrote {out}")
 

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import shlex
 import statistics
 import string
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -43,8 +40,8 @@ import grpc
 import psutil
 import requests
 import torch
+from harness import CONFIGS, RunningCluster, ferry_up, record, warm_up, write_result
 from sse import sse_events
-from sweep import CONFIGS, RunningCluster, ferry_up, machine_info, warm_up
 
 from ferry.protos import (
     common_pb2,
@@ -57,7 +54,6 @@ from ferry.protos import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from ferry.services.common.cluster_state import ClusterState
 from ferry.services.common.tokenizer import ByteTokenizer
 from ferry.services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 
@@ -276,15 +272,7 @@ def cluster_pids(cluster: RunningCluster) -> dict[str, int]:
 
 def workers(cluster: RunningCluster) -> dict[str, str]:
     """role → gRPC address of the cluster's prefill and decode worker."""
-
-    async def read() -> dict[str, str]:
-        state = ClusterState(cluster.redis_url, cluster.cluster)
-        try:
-            return {v.record.role: v.record.address for v in await state.workers()}
-        finally:
-            await state.close()
-
-    return asyncio.run(read())
+    return {v.record.role: v.record.address for v in cluster.views()}
 
 
 def prompts(n: int, length: int, seed: int) -> Iterator[str]:
@@ -355,7 +343,9 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
@@ -372,18 +362,14 @@ def main() -> None:
         hops = Hops(engine, cluster, roles["prefill"], roles["decode"], args.tokens)
         meter = CpuMeter(cluster_pids(cluster))
         result: dict[str, Any] = {
-            "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine_info(""),
+            **record(),
             "served": "ferry up (defaults: 1 prefill + 1 decode worker, 1 torch thread each)",
             "prompt_len": args.prompt_len,
             "tokens": args.tokens,
             "rounds": args.rounds,
             "hops": measure(hops, meter, args.rounds, args.prompt_len),
         }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_result(args.out, result)
     print(report(result))
     print(f"wrote {out} (ferry up's log: {work_dir})")
 

@@ -30,217 +30,34 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
-import platform
-import shlex
-import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
-import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from agentx import WorkloadConfig, generate_sessions, summary, write_trace
-from prometheus_client.parser import text_string_to_metric_families
+from harness import (
+    CONFIGS,
+    WORKER_ROLES,
+    ClusterConfig,
+    RunningCluster,
+    ferry_up,
+    record,
+    warm_up,
+    write_result,
+)
+from levels import USER_CLASSES, Level, Server, level_stats, plan_levels, run_locust
 
-from ferry.infra.ports import free_port
 from ferry.services.common.cluster_state import ClusterState
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-WORKER_ROLES = ("prefill", "decode", "aggregated")
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    name: str
-    description: str
-    args: tuple[str, ...]  # `ferry up` flags
-
-
-CONFIGS = {
-    c.name: c
-    for c in (
-        ClusterConfig(
-            "agg", "1 aggregated worker (prefill and decode in one engine)", ("--aggregated", "1")
-        ),
-        ClusterConfig("1p1d", "1 prefill + 1 decode worker", ("--prefill", "1", "--decode", "1")),
-        ClusterConfig("1p2d", "1 prefill + 2 decode workers", ("--prefill", "1", "--decode", "2")),
-        ClusterConfig(
-            "1p-dep2",
-            "1 prefill worker + a 2-rank DEP decode group",
-            ("--prefill", "1", "--decode", "0", "--decode-dep", "2"),
-        ),
-        # prefix-aware routing against load-only routing, where there is a prefill choice to make
-        ClusterConfig(
-            "2p1d-kv",
-            "2 prefill + 1 decode worker, kv_aware routing",
-            ("--prefill", "2", "--decode", "1", "--routing-policy", "kv_aware"),
-        ),
-        ClusterConfig(
-            "2p1d-ll",
-            "2 prefill + 1 decode worker, least_loaded routing",
-            ("--prefill", "2", "--decode", "1", "--routing-policy", "least_loaded"),
-        ),
-    )
-}
 DEFAULT_CONFIGS = ("agg", "1p1d", "1p2d", "1p-dep2")
 
 
-# ---- the cluster -------------------------------------------------------------------------
-@dataclass
-class RunningCluster:
-    config: ClusterConfig
-    proc: subprocess.Popen[bytes]
-    http: str  # http://host:port of the OpenAI API
-    grpc: str  # host:port of the public gRPC API
-    redis_url: str
-    cluster: str
-    log: Path
-    scheduler: str = ""  # host:port of the first scheduler's gRPC API
-
-    def read(self, query: Any) -> Any:
-        async def run() -> Any:
-            state = ClusterState(self.redis_url, self.cluster)
-            try:
-                return await query(state)
-            finally:
-                await state.close()
-
-        return asyncio.run(run())
-
-    def worker_processes(self) -> int:
-        views = self.read(lambda s: s.workers())
-        return sum(v.record.role in WORKER_ROLES for v in views)
-
-    def metrics(self) -> dict[str, float]:
-        """Every registered service's Prometheus samples, summed over the services."""
-        views = self.read(lambda s: s.workers())
-        totals: dict[str, float] = {}
-        for v in views:
-            if v.record.metrics_port > 0:
-                for key, value in scrape(f"http://127.0.0.1:{v.record.metrics_port}/metrics"):
-                    totals[key] = totals.get(key, 0.0) + value
-        return totals
-
-
-def scrape(url: str) -> Iterator[tuple[str, float]]:
-    """(sample name{labels}, value) of one /metrics page (nothing when it cannot be read)."""
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            yield (f"{s.name}{{{labels}}}" if labels else s.name), float(s.value)
-
-
-@contextmanager
-def ferry_up(config: ClusterConfig, model: str, work_dir: Path) -> Iterator[RunningCluster]:
-    """``ferry up`` with this configuration on free ports; its output goes to a log file."""
-    http, grpc_port, sched = free_port(), free_port(), free_port()
-    cluster = f"bench-{config.name}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "ferry.infra.cli",
-        "up",
-        *config.args,
-        "--model",
-        model,
-        "--port",
-        str(http),
-        "--grpc-port",
-        str(grpc_port),
-        "--scheduler-port",
-        str(sched),
-        "--cluster",
-        cluster,
-    ]
-    log = work_dir / f"ferry-up-{config.name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        redis_url = _wait_ready(proc, log)
-        yield RunningCluster(
-            config,
-            proc,
-            f"http://127.0.0.1:{http}",
-            f"127.0.0.1:{grpc_port}",
-            redis_url,
-            cluster,
-            log,
-            f"127.0.0.1:{sched}",
-        )
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300.0) -> str:
-    """Wait for `ferry up: ready`; returns the Redis URL it printed."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if "ferry up: ready" in text:
-            line = next(ln for ln in text.splitlines() if ln.strip().startswith("redis "))
-            return line.split()[1]
-        if proc.poll() is not None:
-            raise RuntimeError(f"ferry up exited with {proc.returncode}; see {log}")
-        time.sleep(0.5)
-    raise RuntimeError(f"ferry up not ready after {timeout_s:.0f}s; see {log}")
-
-
-def warm_up(cluster: RunningCluster, model: str, n: int) -> None:
-    """``n`` short concurrent requests, so that no measured request pays a first call's costs."""
-    body = json.dumps(
-        {
-            "model": model,
-            "max_tokens": 16,
-            "ignore_eos": True,
-            "messages": [{"role": "user", "content": "warm up " * 64}],
-        }
-    ).encode()
-
-    def one() -> None:
-        req = urllib.request.Request(
-            f"{cluster.http}/v1/chat/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as reply:
-            reply.read()
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 # ---- one level -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Level:
-    concurrency: int
-    sessions: tuple[int, int]  # [start, stop) of the trace's sessions
-
-
 class KvSampler:
     """Samples every worker's KV usage (blocks in use / total) from its load reports."""
 
@@ -284,58 +101,6 @@ class KvSampler:
         }
 
 
-def run_locust(
-    cluster: RunningCluster, level: Level, trace: Path, args: argparse.Namespace, work_dir: Path
-) -> list[dict[str, Any]]:
-    """Locust headless at this level; returns its per-request log (summary line last)."""
-    c = level.concurrency
-    prefix = work_dir / f"{cluster.config.name}-c{c}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(HERE / "locustfile.py"),
-        "--headless",
-        "-u",
-        str(c),
-        "-r",
-        str(c),
-        "-t",
-        f"{args.duration}s",
-        "-s",
-        "120",
-        "--host",
-        cluster.http,
-        "--only-summary",
-        "--csv",
-        str(prefix),
-        "--loglevel",
-        "WARNING",
-        "--agentx-trace",
-        str(trace),
-        "--agentx-sessions",
-        f"{level.sessions[0]}:{level.sessions[1]}",
-        "--agentx-log",
-        f"{prefix}.jsonl",
-        "--agentx-grpc-host",
-        cluster.grpc,
-        "--agentx-model",
-        args.model,
-        USER_CLASSES[args.api],
-    ]
-    with open(f"{prefix}.locust.log", "wb") as out:
-        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=HERE, check=False)
-    return [json.loads(line) for line in Path(f"{prefix}.jsonl").read_text().splitlines()]
-
-
-USER_CLASSES = {
-    "chat": "AgentChatUser",
-    "grpc": "AgentGrpcUser",
-    "completions": "AgentCompletionsUser",
-}
-
-
 def measure_level(
     cluster: RunningCluster,
     level: Level,
@@ -347,7 +112,16 @@ def measure_level(
     load_before = os.getloadavg()[0]
     before = cluster.metrics()
     with KvSampler(cluster) as kv:
-        log = run_locust(cluster, level, trace, args, work_dir)
+        server = Server(cluster.config.name, cluster.http, cluster.grpc)
+        log = run_locust(
+            server,
+            level,
+            trace,
+            duration_s=args.duration,
+            model=args.model,
+            api=args.api,
+            work_dir=work_dir,
+        )
     after = cluster.metrics()
     rows, tail = [r for r in log if "summary" not in r], [r for r in log if "summary" in r]
     result = {
@@ -362,45 +136,6 @@ def measure_level(
     if rows:  # the prompt's KV (and, for DeepSeek-V4, its state slot) per request
         result["server"]["kv_bytes_per_request"] = result["server"]["kv_transfer_bytes"] / len(rows)
     return result
-
-
-def level_stats(
-    rows: list[dict[str, Any]], workers: int, ttft_slo: float, tpot_slo: float
-) -> dict[str, Any]:
-    """The client-side figures of one level from its per-request log rows."""
-    ok = [r for r in rows if r["ok"]]
-    if not ok:
-        return {"requests": len(rows), "failed": len(rows)}
-    span = max(r["sent_at"] + r["e2e"] for r in rows) - min(r["sent_at"] for r in rows)
-    tokens = sum(r["completion_tokens"] for r in ok)
-    tpots = [r["tpot"] for r in ok if r["tpot"] is not None]
-    good = [r for r in ok if r["ttft"] <= ttft_slo and (r["tpot"] or 0) <= tpot_slo]
-    prompt = sum(r["prompt_tokens"] for r in ok)
-    return {
-        "requests": len(rows),
-        "failed": len(rows) - len(ok),
-        "seconds": span,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / span,
-        "output_tokens_per_s_per_worker": tokens / span / workers,
-        "tokens_per_s_per_user": 1 / float(np.median(tpots)) if tpots else None,
-        "ttft_s": percentiles([r["ttft"] for r in ok]),
-        "tpot_s": percentiles(tpots),
-        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
-        "e2e_s": percentiles([r["e2e"] for r in ok]),
-        "goodput": len(good) / len(rows),
-        "prompt_tokens_mean": prompt / len(ok),
-        "prompt_tokens_max": max(r["prompt_tokens"] for r in ok),
-        "prefix_cache_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt,
-    }
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    out = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
-    out["mean"] = float(np.mean(values))
-    return out
 
 
 def server_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
@@ -436,36 +171,6 @@ def server_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 # ---- the sweep -----------------------------------------------------------------------------
-def plan_levels(concurrencies: list[int], duration_s: float) -> list[Level]:
-    """Each level its own sessions: enough that none runs out (a session takes > 2 s)."""
-    levels, start = [], 0
-    for c in concurrencies:
-        n = c * (math.ceil(duration_s / 2) + 1)
-        levels.append(Level(c, (start, start + n)))
-        start += n
-    return levels
-
-
-def machine_info(note: str) -> dict[str, Any]:
-    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
-    kib = next((int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemTotal")), 0)
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
-        platform.processor(),
-    )
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gib": round(kib / 2**20, 1),
-        "cpu_model": model,
-        "gpu": None,
-        "python": platform.python_version(),
-        "torch": metadata.version("torch"),
-        "load_average_1m_at_start": os.getloadavg()[0],
-        "note": note,
-    }
-
-
 def sweep_config(
     config: ClusterConfig,
     levels: list[Level],
@@ -619,7 +324,9 @@ def _plot_title(res: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--concurrency", default="1,2,4,8", help="live sessions per level")
     p.add_argument("--duration", type=int, default=30, help="seconds per level")
@@ -678,9 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = work_dir / "agentx-trace.jsonl"
     write_trace(trace, workload, sessions)
     common = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(args.note),
+        **record(args.note),
         "model": {"preset": args.model, "max_model_len": args.max_context},
         "workload": {
             "generator": "loadtest/agentx.py",
@@ -698,8 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in names:
         res = sweep_config(CONFIGS[name], levels, trace, args, common, work_dir)
-        path = out_dir / f"serve-{_prefix(args.model)}{name}.json"
-        path.write_text(json.dumps(res, indent=2) + "\n")
+        path = write_result(out_dir / f"serve-{_prefix(args.model)}{name}.json", res)
         print(f"wrote {path}", flush=True)
         results.append(res)
     print(

@@ -18,13 +18,13 @@ import asyncio
 import contextlib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from harness import record, write_result
 
 from ferry.services.kv_transfer.ucx import UCX_DEFAULTS, UCX_SERVICE_DEFAULTS
 
@@ -132,7 +132,7 @@ def trial(max_kills: int, one_loop: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--max-kills", type=int, default=12)
     parser.add_argument("--out", default="loadtest/results/ucx_wedge.json")
@@ -150,6 +150,7 @@ def main() -> None:
     env = {**os.environ, **UCX_DEFAULTS}
     if args.services_mode:
         env.update(UCX_SERVICE_DEFAULTS)
+    header = record(ucx_env={k: env[k] for k in env if "UC" in k})
     trials: list[dict[str, Any]] = []
     for i in range(args.trials):
         cmd = [sys.executable, __file__, "--trial", "--max-kills", str(args.max_kills)]
@@ -165,9 +166,7 @@ def main() -> None:
         trials.append(report)
     wedged = [t for t in trials if t.get("wedged")]
     out = {
-        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "ucx_env": {k: env[k] for k in env if "UC" in k}},
+        **header,
         "services_mode": args.services_mode,
         "summary": {
             "trials": len(trials),
@@ -178,8 +177,7 @@ def main() -> None:
         },
         "trials": trials,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(json.dumps(out["summary"]), f"\nwrote {args.out}", flush=True)
 
 
