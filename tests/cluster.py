@@ -21,7 +21,8 @@ import grpc
 
 from ferry.infra.ports import free_port
 from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from ferry.services.common.cluster_state import ClusterState, WorkerView
+from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerView
+from tests.waits import wait_until
 
 T = TypeVar("T")
 
@@ -137,16 +138,15 @@ class Cluster:
             for w in worker_ids:
                 self.signal(w, signal.SIGCONT)
 
-    def wait_for(self, what: str, ok: object, timeout: float) -> float:
-        """Poll ``ok()`` until true; returns the seconds it took (fails after ``timeout``,
-        saying which workers Redis holds then)."""
+    def wait_for(self, what: str, ok: Callable[[], object], timeout: float) -> float:
+        """``wait_until`` ``ok()``; returns the seconds it took (a failure says which workers
+        Redis holds then)."""
         started = time.monotonic()
-        while not ok():  # type: ignore[operator]
-            if time.monotonic() - started > timeout:
-                now = [(v.record.worker_id, v.load) for v in self.views()]
-                raise AssertionError(f"{what}: not within {timeout}s; registry: {now}")
-            time.sleep(0.1)
+        wait_until(what, ok, timeout, 0.1, explain=self._registry)
         return time.monotonic() - started
+
+    def _registry(self) -> str:
+        return f"registry: {[(v.record.worker_id, v.load) for v in self.views()]}"
 
     def metric(self, worker_id: str, sample: str) -> float:
         """The sum of the samples of ``worker_id``'s /metrics whose line starts with ``sample``
@@ -160,13 +160,14 @@ class Cluster:
 
     def streaming_decode_worker(self, since: float) -> str:
         """The decode worker whose heartbeat, sent after ``since``, says it runs a request."""
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def reporting() -> str:
             for v in self.views("decode"):
                 if v.load and v.load.running and v.load.updated_at > since:
                     return v.record.worker_id
-            time.sleep(0.05)
-        raise AssertionError("no decode worker reported a running request")
+            return ""
+
+        return wait_until("a decode worker reports a running request", reporting, 30)
 
     def all_blocks_free(self) -> bool:
         """Every worker's load report says no KV block (free or cached only) and no state slot
@@ -306,3 +307,37 @@ async def generate(
         except grpc.aio.AioRpcError as e:
             res.code, res.details = e.code(), e.details() or ""
         return res
+
+
+def cancel_mid_stream(c: Cluster, prompts: list[list[int]], role: str) -> None:
+    """A long greedy stream per prompt; once each has sent 3 chunks and ``role``'s workers
+    report them all running (holding KV blocks), every call is cancelled: the requests are
+    aborted and every KV block and state slot is freed."""
+
+    def loads() -> list[LoadReport]:
+        return [v.load for v in c.views(role) if v.load is not None]
+
+    def all_running() -> bool:  # as the next heartbeats' load reports say
+        return sum(ld.running for ld in loads()) == len(prompts)
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(c.scheduler) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            long = greedy(900, ignore_eos=True)
+            calls = [
+                stub.Generate(
+                    scheduler_pb2.GenerateRequest(prompt_token_ids=p, sampling_params=long)
+                )
+                for p in prompts
+            ]
+            for call in calls:  # (through P/D: the prefill's first token, then the decode's)
+                for _ in range(3):
+                    await call.read()
+            await asyncio.to_thread(c.wait_for, f"{role} runs them all", all_running, 30)
+            held = await asyncio.to_thread(loads)
+            assert sum(ld.free_kv_blocks for ld in held) < sum(ld.total_kv_blocks for ld in held)
+            for call in calls:
+                call.cancel()
+
+    asyncio.run(main())
+    c.wait_for("every block free after the cancel", c.all_blocks_free, 30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,33 @@ def make_hf_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A random tiny checkpoint, by what it is: transformers' DeepSeek-V3 (``family`` "v3",
+    ``make_hf_checkpoint``) or V4 ("v4", ``make_v4_checkpoint``), drawn from ``seed``, its
+    lm_head scaled by ``lm_head_scale``, with ``config`` over the tiny config. A test module
+    names its own as ``CHECKPOINT`` and takes the ``checkpoint`` fixture (tests/conftest.py):
+    the path, written once a session."""
+
+    seed: int = 0
+    family: str = "v3"
+    lm_head_scale: float = 1.0
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Equal for equal checkpoints (the config may hold dicts: not hashable)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def write(self, path: Path) -> Path:
+        if self.family == "v4":
+            from tests.helpers_v4 import make_v4_checkpoint
+
+            return make_v4_checkpoint(path, self.seed, self.lm_head_scale, **self.config)
+        assert self.family == "v3", self.family
+        return make_hf_checkpoint(path, self.seed, lm_head_scale=self.lm_head_scale, **self.config)
 
 
 def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:

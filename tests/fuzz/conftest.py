@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import Cluster, ferry_up
 from tests.fuzz.support import Tally
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import Checkpoint
 
 RESULTS = Path(__file__).resolve().parents[2] / "loadtest" / "results" / "fuzz.json"
+CHECKPOINT = Checkpoint(seed=5, lm_head_scale=20.0)
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +40,9 @@ def tallies() -> Iterator[dict[str, Tally]]:
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=5, lm_head_scale=20.0)
+def checkpoint(checkpoints: Callable[[Checkpoint], Path]) -> Path:
+    """The fuzzers' model, for the session: their cluster is the session's."""
+    return checkpoints(CHECKPOINT)
 
 
 @pytest.fixture(scope="session")

@@ -17,30 +17,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import pytest
 from redis import Redis
 
-from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from tests.cluster import Cluster, Result, ferry_up, generate, greedy
-from tests.helpers import make_hf_checkpoint
-from tests.redis_server import RedisServer, redis_server
+from tests.cluster import Cluster, Result, cancel_mid_stream, ferry_up, generate, greedy
+from tests.helpers import Checkpoint
+from tests.redis_server import RedisServer
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 256
 WORKER_ARGS = f"--block-size {BLOCK_SIZE}"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # wide logit margins: greedy tokens cannot flip with batch composition
-    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=3, lm_head_scale=20.0)
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
+# wide logit margins: greedy tokens cannot flip with batch composition
+CHECKPOINT = Checkpoint(seed=3, lm_head_scale=20.0)
 
 
 @contextmanager
@@ -125,34 +113,7 @@ def test_greedy_outputs_equal_the_in_process_engine(aggregated: Cluster, checkpo
 
 
 def test_cancel_mid_stream_frees_the_blocks(aggregated: Cluster) -> None:
-    async def main() -> None:
-        async with grpc.aio.insecure_channel(aggregated.scheduler) as ch:
-            stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            calls = [
-                stub.Generate(
-                    scheduler_pb2.GenerateRequest(
-                        prompt_token_ids=p, sampling_params=greedy(900, ignore_eos=True)
-                    )
-                )
-                for p in prompts(4)
-            ]
-            for call in calls:
-                for _ in range(3):
-                    await call.read()
-
-            def all_running() -> bool:  # as the next heartbeat's load report says
-                (view,) = aggregated.views("aggregated")
-                return view.load is not None and view.load.running == 4
-
-            await asyncio.to_thread(aggregated.wait_for, "4 running", all_running, 10)
-            (view,) = await asyncio.to_thread(aggregated.views, "aggregated")
-            assert view.load is not None
-            assert view.load.free_kv_blocks < view.load.total_kv_blocks
-            for call in calls:
-                call.cancel()
-
-    asyncio.run(main())
-    aggregated.wait_for("blocks free after cancel", lambda: blocks_free(aggregated), 5)
+    cancel_mid_stream(aggregated, prompts(4), "aggregated")
 
 
 @pytest.mark.parametrize("v4", [False, True], ids=["v3", "v4-tiny-grpc"])

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,33 +15,20 @@ from ferry.services.common.cluster_state import (
     WorkerRecord,
     parse_redis_url,
 )
-from tests.redis_server import RedisServer, redis_server
-
-
-@pytest.fixture
-def redis() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
+from tests.redis_server import RedisServer
+from tests.waits import wait_until_async
 
 
 def record(wid: str, role: str = "decode") -> WorkerRecord:
     return WorkerRecord(wid, role, "127.0.0.1:1234", num_kv_blocks=64, pid=42)
 
 
-async def wait_until(ok: object, timeout: float) -> float:
-    started = time.monotonic()
-    while not await ok():  # type: ignore[operator]
-        assert time.monotonic() - started < timeout, f"not within {timeout}s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
-
-
 def test_register_reads_back_record_and_load(redis: RedisServer) -> None:
     async def main() -> None:
-        worker, reader = ClusterState(redis.url, "c"), ClusterState(redis.url, "c")
+        worker, reader = ClusterState(redis.url, "read"), ClusterState(redis.url, "read")
         load = LoadReport(running=3, free_kv_blocks=60, total_kv_blocks=64, updated_at=1.5)
         await worker.register(record("decode-0"), lambda: load)
-        await ClusterState(redis.url, "c").register(record("prefill-0", "prefill"))
+        await ClusterState(redis.url, "read").register(record("prefill-0", "prefill"))
         (view,) = await reader.workers("decode")
         assert view.record == record("decode-0") and view.load == load
         prefill = await reader.workers("prefill")
@@ -59,19 +44,21 @@ def test_deregister_ends_even_when_the_cancel_lands_inside_a_heartbeat_write(
     redis: RedisServer,
 ) -> None:
     """redis-py can swallow a cancellation inside a pipeline's execute; deregister() must still
-    end, and leave no record behind, whenever it comes (heartbeats every 0.5 ms here)."""
+    end, with its heartbeat loop (nothing writes the record again), and leave no record behind,
+    whenever it comes (heartbeats every 0.5 ms here)."""
 
     async def main() -> None:
-        reader = ClusterState(redis.url, "c")
+        reader = ClusterState(redis.url, "deregister")
         for i in range(60):
-            worker = ClusterState(redis.url, "c", heartbeat_s=0.0005)
+            worker = ClusterState(redis.url, "deregister", heartbeat_s=0.0005)
             await worker.register(record(f"decode-{i}"), lambda: LoadReport(updated_at=1.0))
-            await asyncio.sleep(0.001 * (i % 7))
+            beat = worker._beat
+            await asyncio.sleep(0.001 * (i % 7))  # lands anywhere in a beat
             task = asyncio.ensure_future(worker.deregister())
             done, _ = await asyncio.wait({task}, timeout=3.0)
             assert task in done, f"deregister #{i} did not end"
+            assert beat is not None and beat.done(), f"deregister #{i} left its heartbeat on"
             await worker.close()
-        await asyncio.sleep(0.05)
         assert await reader.workers() == []
         await reader.close()
 
@@ -79,11 +66,22 @@ def test_deregister_ends_even_when_the_cancel_lands_inside_a_heartbeat_write(
 
 
 def test_a_worker_that_stops_beating_expires_within_the_ttl(redis: RedisServer) -> None:
+    """Beats (every 0.1 s) keep the record past its ttl (1 s); once they stop, Redis holds it
+    for at most the ttl. Counted in beats and read from Redis's own expiry, not timed here."""
+
     async def main() -> None:
-        worker = ClusterState(redis.url, "c", heartbeat_s=0.1, ttl_s=0.5)
-        reader = ClusterState(redis.url, "c")
-        await worker.register(record("decode-0"), LoadReport)
-        await asyncio.sleep(1.0)  # heartbeats keep it alive past the ttl
+        beats = 0
+
+        def load() -> LoadReport:
+            nonlocal beats
+            beats += 1
+            return LoadReport()
+
+        worker = ClusterState(redis.url, "expiry", heartbeat_s=0.1, ttl_s=1.0)
+        reader = ClusterState(redis.url, "expiry")
+        await worker.register(record("decode-0"), load)
+        # a beat comes at least heartbeat_s after the one before: 12 beats span more than the ttl
+        await wait_until_async("12 beats", lambda: beats > 12, 30)
         assert len(await reader.workers()) == 1
         assert worker._beat is not None
         # the process "dies": no deregister, no more beats. redis-py can swallow a cancel that
@@ -92,8 +90,9 @@ def test_a_worker_that_stops_beating_expires_within_the_ttl(redis: RedisServer) 
         worker._record = None
         worker._beat.cancel()
         await asyncio.gather(worker._beat, return_exceptions=True)
-        took = await wait_until(lambda: _empty(reader), 2.0)
-        assert took < 0.8
+        left_ms = await reader.redis.pttl(reader.key("worker", "decode-0"))
+        assert 0 < left_ms <= 1000 or left_ms == -2, left_ms  # -2: expired already
+        await wait_until_async("the record expired", lambda: _empty(reader), 10)
         await reader.close()
 
     asyncio.run(main())
@@ -105,15 +104,15 @@ async def _empty(state: ClusterState) -> bool:
 
 def test_heartbeats_re_register_after_a_redis_restart(redis: RedisServer) -> None:
     async def main() -> None:
-        worker = ClusterState(redis.url, "c", heartbeat_s=0.1, ttl_s=1.0)
+        worker = ClusterState(redis.url, "restart", heartbeat_s=0.1, ttl_s=1.0)
         await worker.register(record("decode-0"), LoadReport)
         redis.restart()  # an empty server on the same port
-        reader = ClusterState(redis.url, "c")
+        reader = ClusterState(redis.url, "restart")
 
         async def back() -> bool:
             return len(await reader.workers()) == 1
 
-        await wait_until(back, 3.0)
+        await wait_until_async("re-registered", back, 10)
         assert worker.healthy
         await worker.close()
         await reader.close()

@@ -15,15 +15,9 @@ import pytest
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
-from tests.redis_server import RedisServer, redis_server
+from tests.redis_server import RedisServer
 
 WORKER_ARGS = "--block-size 16 --dep-timeout 3"
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

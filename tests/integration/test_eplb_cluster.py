@@ -19,7 +19,8 @@ from ferry.protos import eplb_pb2, eplb_pb2_grpc
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.eplb_controller.balance import measured_balancedness
 from tests.cluster import Cluster, ferry_up, generate, greedy
-from tests.redis_server import redis_server
+from tests.redis_server import RedisServer
+from tests.waits import wait_until_async
 
 SKEW, TOKENS = "0.5", 128
 
@@ -31,30 +32,27 @@ def model(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(model: str) -> Iterator[Cluster]:
-    with (
-        redis_server() as redis,
-        ferry_up(
-            redis.url,
-            "--model",
-            model,
-            "--decode",
-            "0",
-            "--decode-dep",
-            "2",
-            "--num-redundant-experts",
-            "2",
-            "--router-skew",
-            SKEW,
-            "--eplb-interval-steps",
-            "0",
-            "--num-kv-blocks",
-            "512",
-            "--worker-args",
-            "--block-size 16 --dep-timeout 10",
-            cluster="eplb",
-        ) as c,
-    ):
+def cluster(redis: RedisServer, model: str) -> Iterator[Cluster]:
+    with ferry_up(
+        redis.url,
+        "--model",
+        model,
+        "--decode",
+        "0",
+        "--decode-dep",
+        "2",
+        "--num-redundant-experts",
+        "2",
+        "--router-skew",
+        SKEW,
+        "--eplb-interval-steps",
+        "0",
+        "--num-kv-blocks",
+        "512",
+        "--worker-args",
+        "--block-size 16 --dep-timeout 10",
+        cluster=f"eplb-{model}",  # one Redis: each model's cluster its own keys
+    ) as c:
         yield c
 
 
@@ -77,14 +75,19 @@ async def group_rows(stub: eplb_pb2_grpc.EplbControllerStub) -> tuple[int, np.nd
 
 
 async def settled_rows(stub: eplb_pb2_grpc.EplbControllerStub) -> np.ndarray:
-    """Rows once the ranks' reports stop changing (they publish every heartbeat)."""
-    _, last = await group_rows(stub)
-    while True:
-        await asyncio.sleep(1.2)
+    """Rows once the ranks' reports stop changing: the same in two looks a heartbeat apart
+    (they publish every heartbeat, 1 s)."""
+    last = np.array([])
+
+    async def settled() -> bool:
+        nonlocal last
         _, now = await group_rows(stub)
-        if now.size and np.array_equal(now, last):
-            return now
+        same = bool(now.size) and np.array_equal(now, last)
         last = now
+        return same
+
+    await wait_until_async("the ranks' reports settled", settled, 120, every=1.2)
+    return last
 
 
 def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(
@@ -103,19 +106,31 @@ def test_rebalance_mid_stream_keeps_outputs_and_raises_balancedness(
                 )
                 for p in ps
             ]
+
             # rebalance once the first reports of this traffic are in (mid-stream)
-            while (await group_rows(stub))[1].sum() <= start.sum():
-                await asyncio.sleep(0.2)
+            async def traffic() -> bool:
+                return bool((await group_rows(stub))[1].sum() > start.sum())
+
+            await wait_until_async("reports of the traffic", traffic, 60, every=0.2)
             mid = (await group_rows(stub))[1]
-            for _ in range(50):  # the ranks' first reports of this traffic may not all be in
+
+            async def rebalanced() -> eplb_pb2.GroupRebalance | None:
                 (reply,) = (await stub.Rebalance(eplb_pb2.RebalanceRequest(), timeout=60)).groups
-                if "no expert load" not in reply.reason:
-                    break
-                await asyncio.sleep(0.2)
+                # the ranks' first reports of this traffic may not all be in
+                return None if "no expert load" in reply.reason else reply
+
+            reply = await wait_until_async("a rebalance with load", rebalanced, 60, every=0.2)
             assert not all(t.done() for t in tasks), "the rebalance came after the traffic"
+
             # the first snapshot that every rank took under the new placement
-            while (status := await group_rows(stub))[0] < reply.version:
-                await asyncio.sleep(0.1)
+            status = (-1, np.array([]))
+
+            async def under_new() -> bool:
+                nonlocal status
+                status = await group_rows(stub)
+                return status[0] >= reply.version
+
+            await wait_until_async("rows under the new placement", under_new, 60, every=0.1)
             switched = status[1]
             results = await asyncio.gather(*tasks)
             end = await settled_rows(stub)

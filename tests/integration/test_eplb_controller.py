@@ -18,7 +18,7 @@ from ferry.services.eplb_controller import metrics
 from ferry.services.eplb_controller.balance import measured_balancedness
 from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.eplb_controller.service import EplbController
-from tests.redis_server import redis_server
+from tests.redis_server import RedisServer
 
 
 def _rank(rank: int, pid: int, started_at: float) -> WorkerRecord:
@@ -46,51 +46,51 @@ def _balancedness_samples() -> dict[str, float]:
     return {s.labels["group"]: s.value for s in family.samples}
 
 
-def test_a_restarted_group_starts_over_and_a_gone_one_is_forgotten() -> None:
+def test_a_restarted_group_starts_over_and_a_gone_one_is_forgotten(redis: RedisServer) -> None:
     async def main() -> None:
-        with redis_server() as server:
-            ranks = [ClusterState(server.url, "eplb-unit", ttl_s=30) for _ in range(2)]
-            service = ServiceConfig(redis_url=server.url, cluster="eplb-unit")
-            ctl = EplbController(EplbConfig(service=service, forget_after_s=0.5))
-            try:
-                # incarnation 1: rank 1 computed twice rank 0's rows (balancedness 0.75)
+        ranks = [ClusterState(redis.url, "eplb-unit", ttl_s=30) for _ in range(2)]
+        service = ServiceConfig(redis_url=redis.url, cluster="eplb-unit")
+        now = [0.0]  # the controller's clock: a group is forgotten 0.5 s after it left
+        ctl = EplbController(EplbConfig(service=service, forget_after_s=0.5), lambda: now[0])
+        try:
+            # incarnation 1: rank 1 computed twice rank 0's rows (balancedness 0.75)
+            for r, state in enumerate(ranks):
+                await state.register(_rank(r, 100 + r, 1.0))
+            for step, rows in ((10, [[10, 10], [20, 20]]), (20, [[20, 20], [40, 40]])):
                 for r, state in enumerate(ranks):
-                    await state.register(_rank(r, 100 + r, 1.0))
-                for step, rows in ((10, [[10, 10], [20, 20]]), (20, [[20, 20], [40, 40]])):
-                    for r, state in enumerate(ranks):
-                        await _report(state, r, step, rows[r])
-                    await ctl.poll()
-                assert ctl.balancedness("g") == pytest.approx(0.75)
+                    await _report(state, r, step, rows[r])
+                await ctl.poll()
+            assert ctl.balancedness("g") == pytest.approx(0.75)
 
-                # incarnation 2: new processes, steps and rows from zero, now even. Mixed with
-                # the old rows the window would compare step 20's totals with step 5's.
+            # incarnation 2: new processes, steps and rows from zero, now even. Mixed with
+            # the old rows the window would compare step 20's totals with step 5's.
+            for r, state in enumerate(ranks):
+                await state.deregister()
+                await state.register(_rank(r, 200 + r, 2.0))
+            for step, rows in ((5, [[1, 1], [1, 1]]), (8, [[4, 4], [4, 4]])):
                 for r, state in enumerate(ranks):
-                    await state.deregister()
-                    await state.register(_rank(r, 200 + r, 2.0))
-                for step, rows in ((5, [[1, 1], [1, 1]]), (8, [[4, 4], [4, 4]])):
-                    for r, state in enumerate(ranks):
-                        await _report(state, r, step, rows[r])
-                    await ctl.poll()
-                even = measured_balancedness(np.array([[3, 3], [3, 3]]))
-                assert even == 1.0 and ctl.balancedness("g") == even
-                assert _balancedness_samples()["g"] == even
+                    await _report(state, r, step, rows[r])
+                await ctl.poll()
+            even = measured_balancedness(np.array([[3, 3], [3, 3]]))
+            assert even == 1.0 and ctl.balancedness("g") == even
+            assert _balancedness_samples()["g"] == even
 
-                # gone: after forget_after_s the controller drops the group, its metrics and
-                # its placement (the load reports would expire on their own)
-                await ctl.cluster.save_placement("g", 1, [[1, 0]])
-                for state in ranks:
-                    await state.deregister()
-                await ctl.poll()
-                assert "g" in _balancedness_samples()  # not at once
-                assert await ctl.cluster.placement("g") is not None
-                await asyncio.sleep(0.6)
-                await ctl.poll()
-                assert ctl.balancedness("g") == 0.0 and "g" not in _balancedness_samples()
-                assert await ctl.cluster.placement("g") is None
-                assert await ctl.cluster.expert_load_reports("g") == {}
-            finally:
-                for state in ranks:
-                    await state.close()
-                await ctl.cluster.close()
+            # gone: after forget_after_s the controller drops the group, its metrics and
+            # its placement (the load reports would expire on their own)
+            await ctl.cluster.save_placement("g", 1, [[1, 0]])
+            for state in ranks:
+                await state.deregister()
+            await ctl.poll()
+            assert "g" in _balancedness_samples()  # not at once
+            assert await ctl.cluster.placement("g") is not None
+            now[0] += 0.6
+            await ctl.poll()
+            assert ctl.balancedness("g") == 0.0 and "g" not in _balancedness_samples()
+            assert await ctl.cluster.placement("g") is None
+            assert await ctl.cluster.expert_load_reports("g") == {}
+        finally:
+            for state in ranks:
+                await state.close()
+            await ctl.cluster.close()
 
     asyncio.run(main())

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,37 +24,31 @@ from ferry.infra.ports import free_port
 from ferry.services.common.tokenizer import load_tokenizer
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, ferry_up
-from tests.helpers import make_hf_checkpoint
-from tests.redis_server import redis_server
+from tests.helpers import Checkpoint
+from tests.redis_server import RedisServer
+from tests.waits import wait_until
 
 WORKER_ARGS = "--block-size 16 --verify-checksum"
 _GRPC_PORTS: dict[int, int] = {}  # a test gateway's HTTP port -> its gRPC port
+CHECKPOINT = Checkpoint(seed=5, lm_head_scale=20.0)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=5, lm_head_scale=20.0)
-
-
-@pytest.fixture(scope="module")
-def cluster(checkpoint: Path) -> Iterator[Cluster]:
-    with (
-        redis_server() as redis,
-        ferry_up(
-            redis.url,
-            "--model",
-            str(checkpoint),
-            "--num-kv-blocks",
-            "256",
-            "--schedulers",
-            "2",
-            "--migration-limit",
-            "1",
-            "--worker-args",
-            WORKER_ARGS,
-            cluster="gw",
-        ) as c,
-    ):
+def cluster(redis: RedisServer, checkpoint: Path) -> Iterator[Cluster]:
+    with ferry_up(
+        redis.url,
+        "--model",
+        str(checkpoint),
+        "--num-kv-blocks",
+        "256",
+        "--schedulers",
+        "2",
+        "--migration-limit",
+        "1",
+        "--worker-args",
+        WORKER_ARGS,
+        cluster="gw",
+    ) as c:
         yield c
 
 
@@ -863,16 +856,19 @@ def _gateway(scheduler: str, model: str, *extra: str) -> tuple[subprocess.Popen[
     _GRPC_PORTS[port] = grpc_port
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def answers() -> bool:
+        assert proc.poll() is None, "the gateway exited"
         try:
             urllib.request.urlopen(url + "/v1/models", timeout=1).close()
-            return proc, url
         except urllib.error.HTTPError:
-            return proc, url  # it answers (401 with a key)
+            return True  # 401 with a key: it answers
         except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "gateway did not start"
-            time.sleep(0.2)
+            return False
+        return True
+
+    wait_until("the gateway answers", answers, 60, every=0.2)
+    return proc, url
 
 
 def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
@@ -901,20 +897,11 @@ def test_api_key_and_body_limit(cluster: Cluster, checkpoint: Path) -> None:
         proc.wait(20)
 
 
-def test_ferry_up_gives_the_gateway_its_key_off_the_command_line(checkpoint: Path) -> None:
-    with (
-        redis_server() as redis,
-        ferry_up(
-            redis.url,
-            "--aggregated",
-            "1",
-            "--model",
-            str(checkpoint),
-            "--api-key",
-            "sesame",
-            cluster="keyed",
-        ) as c,
-    ):
+def test_ferry_up_gives_the_gateway_its_key_off_the_command_line(
+    redis: RedisServer, checkpoint: Path
+) -> None:
+    args = ("--aggregated", "1", "--model", str(checkpoint), "--api-key", "sesame")
+    with ferry_up(redis.url, *args, cluster="keyed") as c:
         (pid,) = c.children()["gateway"]
         assert b"sesame" not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert b"FERRY_API_KEY=sesame" in Path(f"/proc/{pid}/environ").read_bytes()
@@ -1098,7 +1085,7 @@ def test_a_gateway_with_a_dead_scheduler_replica_serves_through_the_live_one(
         proc.wait(20)
 
 
-def test_a_full_cluster_is_429_with_retry_after(checkpoint: Path) -> None:
+def test_a_full_cluster_is_429_with_retry_after(redis: RedisServer, checkpoint: Path) -> None:
     """One decode slot (--max-num-seqs 1): while a long stream holds it, another request is
     refused by the decode worker, retried by the scheduler, and ends as 429."""
     args = (
@@ -1109,7 +1096,7 @@ def test_a_full_cluster_is_429_with_retry_after(checkpoint: Path) -> None:
         "--worker-args",
         f"{WORKER_ARGS} --max-num-seqs 1",
     )
-    with redis_server() as redis, ferry_up(redis.url, *args, cluster="full") as c:
+    with ferry_up(redis.url, *args, cluster="full") as c:
         client = openai.OpenAI(base_url=c.gateway + "/v1", api_key="x", max_retries=0)
         holder = client.completions.create(
             model=str(checkpoint),

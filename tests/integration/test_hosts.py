@@ -8,13 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ferry.infra import netns
 from tests.cluster import ferry_up, generate, greedy
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None,
@@ -32,11 +32,10 @@ def _connects(src: netns.Host, dst: netns.Host, timeout: float = 0.5) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
-def _wait_gone(owner: int, timeout: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := netns.leftovers(owner)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+def _wait_gone(owner: int, timeout: float = 10.0) -> None:
+    """Until nothing ``owner`` made is left (a failure lists what is)."""
+    left = lambda: f"left: {netns.leftovers(owner)}"  # noqa: E731
+    wait_until("its hosts removed", lambda: not netns.leftovers(owner), timeout, explain=left)
 
 
 def test_hosts_talk_over_their_links_and_a_cut_parts_two_of_them() -> None:
@@ -62,7 +61,7 @@ def test_hosts_talk_over_their_links_and_a_cut_parts_two_of_them() -> None:
         netns.set_link(b, up=True)
         assert _connects(c, b, timeout=5.0)
     assert server.wait(10) == -signal.SIGKILL  # down() killed what ran inside
-    assert _wait_gone(os.getpid()) == []
+    _wait_gone(os.getpid())
 
 
 def _connect_s(src: netns.Host, dst: netns.Host) -> float:
@@ -113,7 +112,7 @@ def test_hosts_of_an_owner_killed_with_sigkill_are_removed() -> None:
     assert len(netns.leftovers(owner.pid)) == 5  # 2 namespaces, 2 links, the bridge
     owner.kill()
     owner.wait()
-    assert _wait_gone(owner.pid) == []  # its reaper removed them
+    _wait_gone(owner.pid)  # its reaper removed them
 
 
 def test_ferry_up_on_hosts_moves_kv_over_the_prefill_hosts_link() -> None:
@@ -131,7 +130,7 @@ def test_ferry_up_on_hosts_moves_kv_over_the_prefill_hosts_link() -> None:
         # its KV went prefill -> decode over the link: 2,000 tokens of tiny's 1,280 bytes each
         assert netns.link_counters(prefill)[1] - sent > 2000 * 1280
         c.wait_for("blocks free", c.all_blocks_free, timeout=30)
-    assert _wait_gone(owner) == []
+    _wait_gone(owner)
 
 
 def _hosts_of(owner: int) -> list[netns.Host]:

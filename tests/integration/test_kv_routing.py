@@ -5,6 +5,7 @@ prefix (``kv_aware``, the default policy). Real redis-server, real `ferry up` pr
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -13,28 +14,26 @@ from ferry.services.common.cluster_state import ClusterState, KvEvents
 from ferry.services.common.prefix_hash import prefix_hashes
 from ferry.services.scheduler.prefix_index import PrefixIndex
 from tests.cluster import Cluster, Result, ferry_up, generate, greedy
-from tests.redis_server import redis_server
+from tests.redis_server import RedisServer
+from tests.waits import wait_until
 
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with (
-        redis_server() as redis,
-        ferry_up(
-            redis.url,
-            "--prefill",
-            "2",
-            "--decode",
-            "1",
-            "--model",
-            "tiny",
-            "--worker-args",
-            f"--block-size {BLOCK_SIZE}",
-            cluster="kv",
-        ) as c,
-    ):
+def cluster(redis: RedisServer) -> Iterator[Cluster]:
+    with ferry_up(
+        redis.url,
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--model",
+        "tiny",
+        "--worker-args",
+        f"--block-size {BLOCK_SIZE}",
+        cluster="kv",
+    ) as c:
         yield c
 
 
@@ -60,11 +59,24 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
     salt = c.views("prefill")[0].record.model_fingerprint.encode()
     long_a = [(5 * j) % 250 + 1 for j in range(2000)]  # its prefill keeps prefill-0 busy ...
     short_b = [(11 * j) % 250 + 1 for j in range(160)]  # ... while this one is routed
+    (scheduler,) = c.views("scheduler")
+    metrics = f"http://127.0.0.1:{scheduler.record.metrics_port}/metrics"
+
+    def taken_in(n: int) -> None:
+        """Until the scheduler has taken ``n`` requests in, which routes each: it counts one
+        and picks its prefill worker in one step of its event loop."""
+        running = "ferry_scheduler_running_requests"
+        wait_until(f"{n} requests taken in", lambda: _sample(metrics, running) >= n, 30, 0.01)
 
     async def first_round() -> list[Result]:
-        a = asyncio.create_task(generate(c.scheduler, long_a, greedy(2)))
-        await asyncio.sleep(0.05)
-        b = asyncio.create_task(generate(c.scheduler, short_b, greedy(2)))
+        # both idle: A goes to prefill-0 (the lower id), where its prefill waits while the
+        # worker is stopped, counted against it; B goes to prefill-1. (Stopped for less than
+        # its record's ttl, 3 s, or the scheduler would take it for hung.)
+        with c.stopped("prefill-0"):
+            a = asyncio.create_task(generate(c.scheduler, long_a, greedy(2)))
+            await asyncio.to_thread(taken_in, 1)
+            b = asyncio.create_task(generate(c.scheduler, short_b, greedy(2)))
+            await asyncio.to_thread(taken_in, 2)
         return [await a, await b]
 
     assert all(r.code is None for r in asyncio.run(first_round()))
@@ -98,3 +110,9 @@ def test_a_prompt_goes_to_the_worker_that_holds_its_prefix(cluster: Cluster) -> 
 
 async def _one(c: Cluster, prompt: list[int]) -> list[Result]:
     return [await generate(c.scheduler, prompt, greedy(2))]
+
+
+def _sample(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith(name))

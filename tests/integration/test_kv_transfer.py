@@ -32,6 +32,7 @@ from ferry.services.kv_transfer.staging import CHUNK_BYTES, WINDOW, block_runs
 from ferry.services.kv_transfer.synthetic_exporter import make_cache
 from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UcxTransport
+from tests.waits import wait_until_async
 
 LAYERS, BLOCKS, BS, DIM, SEED = 4, 1024, 16, 80, 1
 LAYOUT = LayoutFingerprint.latent("test-model", "float32", LAYERS, DIM, BS)
@@ -138,8 +139,8 @@ async def _kill_mid_pull(
     (its destination: the pull is under way) and ``grace`` more seconds have passed (for its
     header); the pull must fail naming the transfer. Returns the seconds it took to fail."""
     task = asyncio.create_task(imp.pull(handle))
-    while imp.kv.usage()["in_use"] < in_use:
-        await asyncio.sleep(0.01)
+    held = lambda: imp.kv.usage()["in_use"] >= in_use  # noqa: E731
+    await wait_until_async("the pull's blocks held", held, 30, 0.01, explain=lambda: task)
     await asyncio.sleep(grace)
     os.kill(proc.pid, signal.SIGKILL)
     started = time.monotonic()
@@ -385,7 +386,7 @@ def test_a_deepseek_v3_cache_refuses_a_v4_handle() -> None:
     """A V4 prefill worker's handle (three paged groups and a state slot) reaching a V3 decode
     worker (one latent group): refused before any byte, saying the models differ."""
     from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
-    from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
+    from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 
     v4 = LayoutFingerprint.of("v4", "bfloat16", 128, v4_cache_spec(DEEPSEEK_V4_FLASH))
     handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 200, 128, 2 + v4.state_blocks, v4, 0.0)
@@ -399,11 +400,14 @@ def test_a_deepseek_v3_cache_refuses_a_v4_handle() -> None:
 
 @NETWORK
 def test_unpulled_lease_expires(transport: str) -> None:
-    args = ("--transport", transport, "--sizes", "2", "--lease-seconds", "0.5")
-    with exporter_process(*args) as (_, handles, _):
-        time.sleep(1.0)
-        with pytest.raises(LeaseNotFound, match=r"\(expired or released\)"):
-            asyncio.run(_pull_once(importer(transport), handles[0]))
+    """A lease of 0 s has expired by the time any pull asks for it (waiting one out: the clock
+    of test_lease_expiry_returns_blocks_to_the_exporter_pool)."""
+    args = ("--transport", transport, "--sizes", "2", "--lease-seconds", "0")
+    with (
+        exporter_process(*args) as (_, handles, _),
+        pytest.raises(LeaseNotFound, match=r"\(expired or released\)"),
+    ):
+        asyncio.run(_pull_once(importer(transport), handles[0]))
 
 
 def test_lease_expiry_returns_blocks_to_the_exporter_pool() -> None:

@@ -18,21 +18,12 @@ import pytest
 from ferry.gateway.sdk import FerryClient, InvalidRequestError
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, ferry_up
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import Checkpoint
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(
-        tmp_path_factory.mktemp("no-tokenizer"),
-        seed=7,
-        lm_head_scale=20.0,
-        vocab_size=200,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+CHECKPOINT = Checkpoint(
+    seed=7, lm_head_scale=20.0, config={"vocab_size": 200, "bos_token_id": 0, "eos_token_id": 1}
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -21,16 +21,17 @@ from ferry.protos import common_pb2, scheduler_pb2
 from ferry.services.common.cluster_state import ClusterState, LoadReport
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.server import serve
-from ferry.services.decode_worker.aggregated import AggregatedWorker
-from ferry.services.decode_worker.service import DecodeWorker
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.prefill_worker.service import PrefillWorker
 from ferry.services.scheduler import metrics
 from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.scheduler.service import Failed, Scheduler
+from ferry.services.worker.aggregated import AggregatedWorker
 from ferry.services.worker.config import WorkerConfig
+from ferry.services.worker.decode import DecodeWorker
 from ferry.services.worker.engine_worker import EngineWorker
-from tests.redis_server import RedisServer, redis_server
+from ferry.services.worker.prefill import PrefillWorker
+from tests.redis_server import RedisServer
+from tests.waits import wait_until_async
 
 ROLES: dict[str, type[EngineWorker]] = {
     "prefill": PrefillWorker,
@@ -38,12 +39,6 @@ ROLES: dict[str, type[EngineWorker]] = {
     "aggregated": AggregatedWorker,
 }
 BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
 
 
 @dataclass
@@ -77,10 +72,13 @@ class InProcessCluster:
         eng = EngineConfig(model="tiny", block_size=BLOCK_SIZE, num_kv_blocks=64, **engine)  # type: ignore[arg-type]
         service = ROLES[role](WorkerConfig(service=svc, engine=eng, kv_transport="local"))
         task = asyncio.create_task(serve(svc, service))
-        while not any(v.record.worker_id == worker_id for v in await service.cluster.workers()):
+
+        async def registered() -> bool:
             if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
+                task.result()  # it failed to start: say why
+            return any(v.record.worker_id == worker_id for v in await service.cluster.workers())
+
+        await wait_until_async(f"{worker_id} registered", registered, 60, every=0.02)
         self.nodes[worker_id] = Node(service, task)
         return self.nodes[worker_id]
 
@@ -155,13 +153,6 @@ async def tokens_of(
 def counter(c: object, *labels: str) -> float:
     metric = c.labels(*labels) if labels else c  # type: ignore[attr-defined]
     return float(metric._value.get())
-
-
-async def wait_until(what: str, ok: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        await asyncio.sleep(0.02)
 
 
 PROMPT = [(5 * j) % 250 + 1 for j in range(40)]
@@ -336,8 +327,8 @@ def test_cancelling_generate_aborts_the_request_and_frees_its_blocks(redis: Redi
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 eng = decode.worker.engine
-                await wait_until(
-                    "the decode worker's request aborted", lambda: not eng.load.running
+                await wait_until_async(
+                    "the decode worker's request aborted", lambda: not eng.load.running, every=0.02
                 )
                 load = eng.load
                 assert load.free_kv_blocks == load.total_kv_blocks

@@ -21,17 +21,14 @@ from ferry.gateway.sdk import (
 from ferry.infra.ports import free_port
 from ferry.services.common.tokenizer import load_tokenizer
 from tests.cluster import Cluster, ferry_up
-from tests.redis_server import redis_server
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with (
-        redis_server() as redis,
-        ferry_up(
-            redis.url, "--num-kv-blocks", "256", "--worker-args", "--block-size 16", cluster="sdk"
-        ) as c,
-    ):
+def cluster(redis: RedisServer) -> Iterator[Cluster]:
+    with ferry_up(
+        redis.url, "--num-kv-blocks", "256", "--worker-args", "--block-size 16", cluster="sdk"
+    ) as c:
         yield c
 
 

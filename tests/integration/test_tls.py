@@ -17,14 +17,14 @@ from ferry.gateway.sdk import FerryClient
 from ferry.infra import certs
 from ferry.protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.cluster import Cluster, ferry_up, greedy
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import Checkpoint
 
 PROMPT = [5, 17, 99, 23, 8, 41]
+CHECKPOINT = Checkpoint(seed=3)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    checkpoint = make_hf_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=3)
+def cluster(checkpoint: Path) -> Iterator[Cluster]:
     with ferry_up(
         "",  # its own redis-server
         "--tls",

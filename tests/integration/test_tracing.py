@@ -29,6 +29,7 @@ from ferry.infra import trace_view
 from ferry.infra.ports import free_port
 from ferry.protos import ferry_pb2, ferry_pb2_grpc
 from tests.cluster import Cluster, ferry_up, greedy
+from tests.waits import wait_until
 
 Span = dict[str, Any]
 CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
@@ -106,20 +107,21 @@ def complete_as_client(cluster: Cluster, trace_id: str, tokens: int) -> None:
 def wait_for_trace(
     traces: Path, ok: Callable[[list[Span]], bool], timeout: float = 20
 ) -> list[Span]:
-    """Poll the files until a trace satisfies ``ok`` (its spans are exported in batches,
+    """Read the files until a trace satisfies ``ok`` (its spans are exported in batches,
     each process's within about a second of their end)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = trace_view.traces(trace_view.read_spans([traces]))
-        for spans in found.values():
-            if ok(spans):
-                return spans
-        if time.monotonic() > deadline:
-            names = {
-                t: sorted(f"{s['service']}/{s['name']}" for s in ss) for t, ss in found.items()
-            }
-            raise AssertionError(f"no such trace within {timeout}s; traces: {names}")
-        time.sleep(0.1)
+
+    def found() -> dict[str, list[Span]]:
+        return trace_view.traces(trace_view.read_spans([traces]))
+
+    def names() -> str:
+        return str(
+            {t: sorted(f"{s['service']}/{s['name']}" for s in ss) for t, ss in found().items()}
+        )
+
+    def match() -> list[Span] | None:
+        return next((spans for spans in found().values() if ok(spans)), None)
+
+    return wait_until("such a trace", match, timeout, 0.1, explain=names)
 
 
 def one(spans: list[Span], service: str, name: str, **attrs: object) -> Span:
@@ -219,10 +221,13 @@ def test_the_spans_reach_an_otlp_collector_as_they_reach_the_files(
         (s["service"], s["instance"], s["trace_id"], s["span_id"], s["parent_span_id"])
         for s in spans
     }
-    deadline = time.monotonic() + 30
-    while not in_files <= received.trace(trace_id):
-        assert time.monotonic() < deadline, sorted(in_files - received.trace(trace_id))
-        time.sleep(0.1)
+    wait_until(
+        "the file's spans at the collector",
+        lambda: in_files <= received.trace(trace_id),
+        30,
+        0.1,
+        explain=lambda: f"missing {sorted(in_files - received.trace(trace_id))}",
+    )
 
 
 def test_a_request_moved_off_a_killed_decode_worker_shows_both_attempts_in_one_trace(
@@ -267,7 +272,7 @@ def test_a_request_moved_off_a_killed_decode_worker_shows_both_attempts_in_one_t
         )
 
     spans = wait_for_trace(traces, moved)
-    print(trace_view.waterfall(spans))  # the README's example comes from this
+    print(trace_view.waterfall(spans))  # docs/operating.md's example comes from this
     generate = one(spans, "scheduler", "generate", request_id="moved")
     attempts = sorted(matching(spans, "scheduler", "attempt"), key=lambda s: s["start_ns"])
     summary = [
@@ -315,16 +320,19 @@ def test_a_sigtermed_gateway_exports_its_spans_and_stops_gracefully(tmp_path: Pa
             body,
             {"Content-Type": "application/json"},
         )
-        deadline = time.monotonic() + 30
-        while True:  # 503 once it serves: no scheduler answers
+
+        def refused() -> bool:  # 503 once it serves: no scheduler answers
+            assert gateway.poll() is None, "the gateway exited"
             try:
                 urllib.request.urlopen(req, timeout=5)
             except urllib.error.HTTPError as e:
                 assert e.code == 503
-                break
+                return True
             except urllib.error.URLError:
-                assert time.monotonic() < deadline and gateway.poll() is None, "not serving"
-                time.sleep(0.1)
+                return False
+            raise AssertionError("served without a scheduler")
+
+        wait_until("the gateway serving", refused, 30, 0.1)
         gateway.send_signal(signal.SIGTERM)
         _, err = gateway.communicate(timeout=30)
     finally:

@@ -1,5 +1,6 @@
 """The AgentX-like workload generator (loadtest/agentx.py): seeded session trees, context
-limits, forks, its trace files; and the figures the sweep (loadtest/sweep.py) makes of a run."""
+limits, forks, its trace files; and the figures of a served load's levels (loadtest/levels.py)
+and of the sweep (loadtest/sweep.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from ferry.gateway.chat_template import ChatTemplate
 from ferry.services.common.tokenizer import ByteTokenizer
 
-# the load-test scripts import each other as siblings (Locust and `python loadtest/x.py` put
-# their folder on sys.path): so do the tests
+# the load-test scripts import their shared modules as top-level ones (Locust and
+# `python loadtest/x.py` put their folder on sys.path): so do the tests
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
+import levels
 import sweep
 from agentx import (
     Session,
@@ -152,7 +154,7 @@ def test_level_stats_throughput_interactivity_goodput() -> None:
         row(0.5, 0.08, 50, sent_at=102.0),  # TPOT over it
         row(0.2, None, 0, ok=False),
     ]
-    st = sweep.level_stats(rows, workers=2, ttft_slo=1.0, tpot_slo=0.05)
+    st = levels.level_stats(rows, workers=2, ttft_slo=1.0, tpot_slo=0.05)
     assert st["requests"] == 4 and st["failed"] == 1
     assert st["seconds"] == pytest.approx(4.0)  # first send at 100, last end at 102 + 2
     assert st["output_tokens_per_s"] == pytest.approx(150 / 4)
@@ -161,7 +163,7 @@ def test_level_stats_throughput_interactivity_goodput() -> None:
     assert st["goodput"] == pytest.approx(1 / 4)  # a failed request misses the SLO too
     assert st["ttft_s"]["p50"] == pytest.approx(0.5) and st["itl_s"]["p50"] == pytest.approx(0.02)
     assert st["prefix_cache_hit_rate"] == pytest.approx(0.6)
-    assert sweep.level_stats([row(0.2, None, 0, ok=False)], 1, 1.0, 1.0)["failed"] == 1
+    assert levels.level_stats([row(0.2, None, 0, ok=False)], 1, 1.0, 1.0)["failed"] == 1
 
 
 def test_server_stats_are_differences_of_counters() -> None:
@@ -185,13 +187,13 @@ def test_server_stats_are_differences_of_counters() -> None:
 
 
 def test_levels_get_disjoint_session_ranges() -> None:
-    levels = sweep.plan_levels([1, 2, 4], duration_s=10)
-    assert [lv.concurrency for lv in levels] == [1, 2, 4]
-    assert [lv.sessions for lv in levels] == [(0, 6), (6, 18), (18, 42)]
+    planned = levels.plan_levels([1, 2, 4], duration_s=10)
+    assert [lv.concurrency for lv in planned] == [1, 2, 4]
+    assert [lv.sessions for lv in planned] == [(0, 6), (6, 18), (18, 42)]
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    level = {"concurrency": 1, **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0)}
+    level = {"concurrency": 1, **levels.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0)}
     res = {
         "config": "agg",
         "description": "one worker",
@@ -207,10 +209,10 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 
 def test_the_table_has_a_row_per_level(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    levels = [
+    rows = [
         {
             "concurrency": c,
-            **sweep.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0),
+            **levels.level_stats([row(0.5, 0.02, 50)], 1, 1.0, 1.0),
             "server": {
                 "kv_usage_max": 0.05,
                 "prefix_cache_hit_rate": 0.6,
@@ -219,7 +221,7 @@ def test_the_table_has_a_row_per_level(capsys: pytest.CaptureFixture[str], tmp_p
         }
         for c in (1, 2)
     ]
-    res = {"config": "1p-dep2", "worker_processes": 3, "levels": levels}
+    res = {"config": "1p-dep2", "worker_processes": 3, "levels": rows}
     (tmp_path / "serve-1p-dep2.json").write_text(json.dumps(res))
     sweep.main(["--configs", "1p-dep2", "--table", "--out-dir", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()

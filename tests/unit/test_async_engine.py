@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 from ferry.services.common.sampling_params import StructuredOutput
 from ferry.services.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from ferry.services.engine.async_engine import EngineDeadError
+from tests.waits import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +88,8 @@ def test_abort_from_the_event_loop_and_on_consumer_exit(
     last, seen = asyncio.run(main())
     assert last == "abort" and seen == 3
     # the walker's abort is applied before the step whose load AsyncEngine publishes next
-    deadline = time.monotonic() + 10
-    while (load := engine.load).running + load.waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert load.running == load.waiting == 0
+    wait_until("the engine idle", lambda: engine.load.running + engine.load.waiting == 0, 10)
+    load = engine.load
     assert load.free_kv_blocks == load.total_kv_blocks  # nothing held, the prefixes cached
     inner.check_integrity()
 

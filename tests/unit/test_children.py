@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
+
+from tests.waits import wait_until
 
 PARENT = """
 import sys, grpc
@@ -36,14 +37,12 @@ def test_a_child_gets_sigterm_when_its_parent_is_killed() -> None:
     )
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    deadline = time.monotonic() + 30
-    # setpriv's own command line names the command too: wait until it is the command alone
-    while not _command_of(child).startswith(sys.executable.encode()):
-        assert _alive(child) and time.monotonic() < deadline, _command_of(child)
-        time.sleep(0.05)
+
+    def running() -> bool:  # setpriv's own command line names the command too
+        assert _alive(child), _command_of(child)
+        return _command_of(child).startswith(sys.executable.encode())
+
+    wait_until("the child runs the command alone", running, 30)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 30
-    while _alive(child):
-        assert time.monotonic() < deadline, "the child outlived its killed parent"
-        time.sleep(0.05)
+    wait_until("the child gone with its killed parent", lambda: not _alive(child), 30)

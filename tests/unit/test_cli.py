@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -182,8 +183,6 @@ def test_each_worker_role_takes_its_own_flags_after_the_shared_ones() -> None:
 
 
 def test_prefill_workers_split_the_cores_and_decode_workers_run_behind_them() -> None:
-    import os
-
     from ferry.infra.cli import build_parser, cluster_spec
 
     def worker(role: str, *flags: str) -> argparse.Namespace:
@@ -307,3 +306,116 @@ def test_tls_flags_go_together_and_reach_every_service(tmp_path: Path) -> None:
     assert spec.tls == files and not spec.throwaway_tls
     with pytest.raises(ValueError, match="--tls makes its own certificates"):
         cluster_spec(build_parser().parse_args(["up", "--tls", *files.flags()]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "unrecognized"),
+    [
+        # `ferry simulate` has --workload-scale and no --workload
+        (
+            "simulate --hardware h100 --gpus 8 --model deepseek-v3 --out x --workload agentx",
+            "--workload agentx",
+        ),
+        ("serve scheduler --max-att 2", "--max-att 2"),
+        ("up --aggr 2", "--aggr 2"),
+        ("deploy k8s --out x --name ns", "--name ns"),
+    ],
+)
+def test_a_flag_is_written_whole_not_abbreviated(
+    argv: str, unrecognized: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferry.infra.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv.split())
+    assert exc.value.code == 2
+    assert f"unrecognized arguments: {unrecognized}" in capsys.readouterr().err
+
+
+def test_ferry_up_refuses_an_abbreviated_worker_flag() -> None:
+    from ferry.infra.cli import build_parser, cluster_spec
+
+    with pytest.raises(ValueError, match="not flags of `ferry serve decode`"):
+        cluster_spec(build_parser().parse_args(["up", "--decode-args", "--max-num-seq 4"]))
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return [parser, *(p for a in subs for sub in a.choices.values() for p in _parsers(sub))]
+
+
+def test_every_parser_ferry_makes_takes_no_abbreviations() -> None:
+    """Every sub-command's parser, and every ArgumentParser(...) call in the tree."""
+    import ast
+
+    from ferry.infra.cli import build_parser
+
+    assert all(not p.allow_abbrev for p in _parsers(build_parser()))
+    root = Path(__file__).parents[2]
+    calls = []
+    for folder in ("infra", "services", "gateway", "loadtest", "kernels"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ArgumentParser"):
+                    given = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                    calls.append((str(path.relative_to(root)), given.get("allow_abbrev")))
+    assert calls and [c for c in calls if c[1] != "False"] == []
+
+
+def test_each_role_with_no_flags_builds_its_configs_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flag's default is its config field's: the two cannot drift."""
+    from ferry.gateway.config import GatewayConfig
+    from ferry.infra import flags
+    from ferry.infra.cli import build_parser
+    from ferry.services.eplb_controller.config import EplbConfig
+    from ferry.services.scheduler.config import SchedulerConfig
+    from ferry.services.worker.config import WorkerConfig
+
+    for name in [n for n in os.environ if n.startswith("FERRY_")]:
+        monkeypatch.delenv(name)
+
+    def parse(role: str) -> argparse.Namespace:
+        return build_parser().parse_args(["serve", role])
+
+    assert flags.gateway_config(parse("gateway")) == GatewayConfig()
+    assert flags.scheduler_config(parse("scheduler")) == SchedulerConfig()
+    assert flags.eplb_config(parse("eplb")) == EplbConfig()
+    for role in ("prefill", "decode", "aggregated"):
+        assert flags.worker_config(parse(role)) == WorkerConfig()
+
+
+def test_a_flag_whose_name_is_not_its_field_still_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferry.infra import flags
+    from ferry.infra.cli import build_parser
+
+    monkeypatch.setenv("FERRY_GRACE", "7")
+    monkeypatch.setenv("FERRY_NO_PREFIX_CACHING", "1")
+    argv = ["serve", "decode", "--transfer-timeout", "4", "--dep-timeout", "2"]
+    config = flags.worker_config(build_parser().parse_args(argv))
+    assert (config.service.grace_s, config.engine.enable_prefix_caching) == (7.0, False)
+    assert (config.transfer_timeout_s, config.dep_timeout_s) == (4.0, 2.0)
+    argv = ["serve", "eplb", "--eplb-poll", "0.5", "--eplb-interval-steps", "9"]
+    eplb = flags.eplb_config(build_parser().parse_args(argv))
+    assert (eplb.poll_s, eplb.interval_steps) == (0.5, 9)
+
+
+def test_help_shows_each_flags_variable_and_its_configs_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ferry.infra.cli import build_parser
+
+    monkeypatch.setenv("FERRY_GRACE", "7")  # the variable sets the value, not the default shown
+    decode = next(p for p in _parsers(build_parser()) if p.prog.endswith("serve decode"))
+    text = " ".join(decode.format_help().split())
+    for shown in ("[FERRY_GRACE; 5.0]", "[FERRY_MAX_NUM_SEQS; 256]", "[FERRY_NO_PREFIX_CACHING]"):
+        assert shown in text, shown
+
+
+def test_a_flag_naming_a_field_its_config_lacks_fails_at_once() -> None:
+    from ferry.infra.flags import Flag, Flags
+    from ferry.services.scheduler.config import SchedulerConfig
+
+    with pytest.raises(TypeError, match="--max-retries: SchedulerConfig has no field"):
+        Flags(SchedulerConfig, Flag("--max-retries", "tries"))

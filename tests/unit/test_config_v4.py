@@ -11,15 +11,11 @@ from typing import Any
 import pytest
 from transformers import DeepseekV4Config
 
-from ferry.services.engine.model.config import ConfigError, ModelConfig
-from ferry.services.engine.model.config_v4 import (
-    CSA,
-    HCA,
-    SLIDING,
-    V4ModelConfig,
-    config_from_hf_dict,
-)
+from ferry.services.engine.model.config import ConfigError
 from ferry.services.engine.model.loader import read_config
+from ferry.services.engine.model.registry import config_from_hf_dict
+from ferry.services.engine.model.v3.config import ModelConfig
+from ferry.services.engine.model.v4.config import CSA, HCA, SLIDING, V4ModelConfig
 
 # ../shared/deepseek-v4.md's tiny configuration, in transformers' spelling
 TINY: dict[str, Any] = dict(
@@ -205,7 +201,7 @@ def test_a_config_it_cannot_read_says_why(change: dict[str, Any], message: str) 
 def test_a_v4_checkpoint_reads_as_v4_and_v41_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LEGACY))
     assert read_config(tmp_path) == V4ModelConfig.from_hf_dict(LEGACY)
-    with pytest.raises(ConfigError, match=r"DeepSeek-V4: read it with .*V4ModelConfig"):
+    with pytest.raises(ConfigError, match="model_type 'deepseek_v4' is not deepseek_v3"):
         ModelConfig.from_hf_dict(LEGACY)
     with pytest.raises(ConfigError, match="compress_ratios: 16 is neither 0"):
         config_from_hf_dict(LEGACY | {"compress_ratios": [0, 16]})

@@ -9,7 +9,7 @@ from ferry.protos import common_pb2 as pb
 from ferry.services.common import convert
 from ferry.services.common.sampling_params import SamplingParams, StructuredOutput
 from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH as V4_FLASH
-from ferry.services.engine.model.kv_cache_v4 import v4_cache_spec
+from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 from ferry.services.engine.request import RequestOutput
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.worker import convert as worker_convert

@@ -11,7 +11,7 @@ import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model import ForwardBatch
-from ferry.services.engine.model.kv_cache_v4 import V4KVCache
+from ferry.services.engine.model.v4.kv_cache import V4KVCache
 
 MAX_GRAPH_BATCH = 3
 BLOCK = 16  # v4-tiny's smallest block (its HCA rate): snapshots every 8 blocks = 128 tokens

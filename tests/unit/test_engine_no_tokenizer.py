@@ -12,23 +12,14 @@ import pytest
 from ferry.services.common.sampling_params import StructuredOutput
 from ferry.services.common.tokenizer import HFTokenizer, NoTokenizer, write_byte_tokenizer_json
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from tests.helpers import make_hf_checkpoint
+from tests.helpers import Checkpoint
 
 EOS = 1
 PROMPTS = [[5, 6, 7], list(range(10, 60))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf_checkpoint(
-        tmp_path_factory.mktemp("no-tokenizer"),
-        seed=3,
-        lm_head_scale=20.0,
-        vocab_size=200,
-        bos_token_id=0,
-        eos_token_id=EOS,
-    )
+CHECKPOINT = Checkpoint(
+    seed=3, lm_head_scale=20.0, config={"vocab_size": 200, "bos_token_id": 0, "eos_token_id": EOS}
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,16 @@ import pytest
 import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from tests.helpers import YARN, hf_greedy, hf_logits, make_hf_checkpoint
+from tests.helpers import YARN, Checkpoint, hf_greedy, hf_logits
 
 PROMPT_LENS = [1, 5, 17, 64, 100, 177, 300, 500]
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # lm_head scaled x20: the top logit leads by a wide margin, so no near-tie can flip a token
-    return make_hf_checkpoint(
-        tmp_path_factory.mktemp("engine"),
-        seed=21,
-        lm_head_scale=20.0,
-        q_lora_rank=24,
-        rope_parameters=YARN,
-        n_group=4,
-        topk_group=2,
-    )
+# lm_head scaled x20: the top logit leads by a wide margin, so no near-tie can flip a token
+CHECKPOINT = Checkpoint(
+    seed=21,
+    lm_head_scale=20.0,
+    config={"q_lora_rank": 24, "rope_parameters": YARN, "n_group": 4, "topk_group": 2},
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,16 @@ from ferry.services.common.sampling_params import SamplingParams
 from ferry.services.engine import Engine, EngineConfig
 from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
 from ferry.services.engine.request import ImportedKv
-from tests.helpers import greedy_generate, make_request, rel_err
-from tests.helpers_v4 import make_v4_checkpoint, v4_hf_logits, v4_hf_model
+from tests.helpers import Checkpoint, greedy_generate, make_request, rel_err
+from tests.helpers_v4 import v4_hf_logits, v4_hf_model
 
 BLOCK = 16  # the tiny config's CSA and HCA rates (4, 8) divide it
+CHECKPOINT = Checkpoint(seed=11, family="v4", lm_head_scale=8.0)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_v4_checkpoint(tmp_path_factory.mktemp("v4"), seed=11, lm_head_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def hf(ckpt: Path) -> Any:
-    return v4_hf_model(ckpt)
+def hf(checkpoint: Path) -> Any:
+    return v4_hf_model(checkpoint)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -73,10 +69,10 @@ def _run_chunks(
     return [torch.cat(o) for o in out]
 
 
-def test_chunks_ending_anywhere_match_the_whole_sequence(ckpt: Path, hf: Any) -> None:
+def test_chunks_ending_anywhere_match_the_whole_sequence(checkpoint: Path, hf: Any) -> None:
     """Prefill in uneven chunks, then decode one token at a time, two sequences at different
     phases in the same steps; their compressor buffers are mid-window at every cut."""
-    model = load_model(ckpt)
+    model = load_model(checkpoint)
     a, b = _prompt(47, 1), _prompt(41, 2)
     chunkings = [[7, 11, 15, 7] + [1] * 7, [1, 2, 3, 13, 5] + [1] * 17]
     for seq, logits in zip([a, b], _run_chunks(model, [a, b], chunkings), strict=True):
@@ -87,25 +83,25 @@ def test_chunks_ending_anywhere_match_the_whole_sequence(ckpt: Path, hf: Any) ->
     assert rel_err(one, v4_hf_logits(hf, a[:30])) < 1e-4
 
 
-def test_prompt_logits_uses_the_cache_path(ckpt: Path, hf: Any) -> None:
-    model = load_model(ckpt)
+def test_prompt_logits_uses_the_cache_path(checkpoint: Path, hf: Any) -> None:
+    model = load_model(checkpoint)
     ids = _prompt(53, 3)
     assert rel_err(prompt_logits(model, ids), v4_hf_logits(hf, ids)) < 1e-4
 
 
-def _engine(ckpt: Path, **kw: Any) -> Engine:
-    return Engine(EngineConfig(model=str(ckpt), **kw))
+def _engine(checkpoint: Path, **kw: Any) -> Engine:
+    return Engine(EngineConfig(model=str(checkpoint), **kw))
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def test_engine_greedy_matches_generate(ckpt: Path, hf: Any) -> None:
+def test_engine_greedy_matches_generate(checkpoint: Path, hf: Any) -> None:
     """Continuous batching of prompts of several lengths, chunked prefill forced (16 tokens a
     step), against transformers' generate with its own cache."""
     prompts = [_prompt(n, 20 + n) for n in (5, 23, 38, 9)]
     want = greedy_generate(hf, prompts, 12)
-    engine = _engine(ckpt, max_num_batched_tokens=16)
+    engine = _engine(checkpoint, max_num_batched_tokens=16)
     assert engine.block_size == BLOCK * 4  # the default (64) holds whole entries here
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == want
@@ -123,22 +119,22 @@ def test_v4_tiny_greedy_does_not_change_with_batch_composition() -> None:
     ]
 
 
-def test_engine_greedy_with_preemption_forced(ckpt: Path, hf: Any) -> None:
+def test_engine_greedy_with_preemption_forced(checkpoint: Path, hf: Any) -> None:
     """A cache too small for every sequence at once: sequences are preempted and recomputed
     from their tokens (their state slots rebuilt), and the outputs do not change."""
     prompts = [_prompt(n, 40 + n) for n in (30, 33, 35)]
     want = greedy_generate(hf, prompts, 12)
-    engine = _engine(ckpt, block_size=BLOCK, num_kv_blocks=5)
+    engine = _engine(checkpoint, block_size=BLOCK, num_kv_blocks=5)
     outs = engine.generate(prompts, GREEDY)
     assert engine.num_preemptions > 0
     assert [o.token_ids for o in outs] == want
     engine.check_integrity()
 
 
-def test_prompt_logprobs_through_the_engine(ckpt: Path, hf: Any) -> None:
+def test_prompt_logprobs_through_the_engine(checkpoint: Path, hf: Any) -> None:
     """Prompt logprobs of a prompt prefilled in chunks: transformers' over the whole prompt."""
     ids = _prompt(29, 5)
-    engine = _engine(ckpt, max_num_batched_tokens=16)
+    engine = _engine(checkpoint, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     (out,) = engine.generate([ids], params)
     want = torch.log_softmax(v4_hf_logits(hf, ids), dim=-1)
@@ -148,9 +144,9 @@ def test_prompt_logprobs_through_the_engine(ckpt: Path, hf: Any) -> None:
     engine.check_integrity()
 
 
-def test_a_block_size_that_splits_an_entry_is_refused(ckpt: Path) -> None:
+def test_a_block_size_that_splits_an_entry_is_refused(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match=r"block_size=20 does not hold whole compressed entries"):
-        _engine(ckpt, block_size=20)
+        _engine(checkpoint, block_size=20)
 
 
 LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -164,15 +160,15 @@ def _close(a: list[dict[int, float]] | None, b: list[dict[int, float]] | None) -
     )
 
 
-def test_a_prefix_hit_continues_from_the_snapshot_exactly(ckpt: Path, hf: Any) -> None:
+def test_a_prefix_hit_continues_from_the_snapshot_exactly(checkpoint: Path, hf: Any) -> None:
     """The same prompt again, the next turn of a chat (the prompt + the answer + more), and a
     shared 140-token prefix: each hit restores the state snapshotted at its last block (the
     prompt's last boundary; every 8 blocks) and gives the cold engine's logprobs and
     transformers' tokens."""
     first = _prompt(50, 60)
     system = _prompt(140, 61)
-    warm = _engine(ckpt, block_size=BLOCK)
-    cold = _engine(ckpt, block_size=BLOCK, enable_prefix_caching=False)
+    warm = _engine(checkpoint, block_size=BLOCK)
+    cold = _engine(checkpoint, block_size=BLOCK, enable_prefix_caching=False)
     (a,) = warm.generate([first], LOGPROBS)
     assert a.num_cached_tokens == 0
     turn = first + a.token_ids + _prompt(9, 62)
@@ -191,10 +187,10 @@ def test_a_prefix_hit_continues_from_the_snapshot_exactly(ckpt: Path, hf: Any) -
         warm.check_integrity()
 
 
-def test_snapshots_are_reported_for_the_prefix_index(ckpt: Path) -> None:
+def test_snapshots_are_reported_for_the_prefix_index(checkpoint: Path) -> None:
     """A worker follows its engine's snapshot events: kept under the hash of the block they
     end, dropped when the least recently used one is taken for another."""
-    engine = _engine(ckpt, block_size=BLOCK, max_num_seqs=1)
+    engine = _engine(checkpoint, block_size=BLOCK, max_num_seqs=1)
     engine.kv.record_events()
     a, b = _prompt(40, 80), _prompt(40, 81)
     engine.generate([a], GREEDY)
@@ -206,11 +202,11 @@ def test_snapshots_are_reported_for_the_prefix_index(ckpt: Path) -> None:
     assert engine.kv.take_snapshot_events(snapshot=True) == [events[1]]
 
 
-def test_blocks_without_their_snapshot_are_no_hit(ckpt: Path) -> None:
+def test_blocks_without_their_snapshot_are_no_hit(checkpoint: Path) -> None:
     """One snapshot (max_num_seqs=1): a second prompt's takes it, so the first prompt, its
     blocks still cached, is computed again from the start; the second one hits."""
     a, b = _prompt(40, 70), _prompt(40, 71)
-    engine = _engine(ckpt, block_size=BLOCK, max_num_seqs=1)
+    engine = _engine(checkpoint, block_size=BLOCK, max_num_seqs=1)
     engine.generate([a], GREEDY)
     engine.generate([b], GREEDY)
     blocks, _ = engine.kv.match_prefix(make_request("x", a))
@@ -240,12 +236,12 @@ def _hand_over(prefill: Engine, decode: Engine, prompt: list[int], rid: str) -> 
     return out[0].token_ids
 
 
-def test_a_hand_off_carries_the_state_to_the_decode_engine(ckpt: Path, hf: Any) -> None:
+def test_a_hand_off_carries_the_state_to_the_decode_engine(checkpoint: Path, hf: Any) -> None:
     """Prompts whose lengths leave every compressor mid-window (5, 23, 38, 47 tokens; the rates
     are 4 and 8) prefilled in chunks on one engine and decoded on another from the blocks and
     the packed state slot alone: transformers' tokens, and nothing left held on either side."""
-    prefill = _engine(ckpt, block_size=BLOCK, max_num_batched_tokens=16)
-    decode = _engine(ckpt, block_size=BLOCK)
+    prefill = _engine(checkpoint, block_size=BLOCK, max_num_batched_tokens=16)
+    decode = _engine(checkpoint, block_size=BLOCK)
     prompts = [_prompt(n, 90 + n) for n in (5, 23, 38, 47)]
     want = greedy_generate(hf, prompts, 12)
     got = [_hand_over(prefill, decode, p, f"r{i}") for i, p in enumerate(prompts)]

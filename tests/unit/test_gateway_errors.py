@@ -16,6 +16,7 @@ from ferry.gateway import metrics
 from ferry.gateway.app import create_app
 from ferry.gateway.backend import Backend
 from ferry.gateway.config import GatewayConfig
+from ferry.gateway.errors import PARAMS, from_grpc
 from ferry.gateway.grpc_api import start_grpc
 from ferry.protos import ferry_pb2
 
@@ -209,3 +210,27 @@ def test_grpc_request_bytes_that_do_not_parse_are_invalid_argument(method: str) 
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
     assert "is not a ferry.v1." in (refused.details() or ""), refused
     assert ferry_pb2.ListModelsReply.FromString(models).models[0].id == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("details", "param"),
+    [
+        ("decode worker decode-0: temperature must be >= 0, got -1.0", "temperature"),
+        ("prompt_logprobs must be in 0..20", "prompt_logprobs"),
+        ("stop strings must not be empty", "stop"),
+        ("min_tokens cannot be combined with a structured output", "min_tokens"),
+        ("prompt is empty", "prompt"),
+        ("no worker can serve it", None),
+    ],
+)
+def test_a_refusal_names_the_sampling_field_it_starts_with(details: str, param: str | None) -> None:
+    assert from_grpc(grpc.StatusCode.INVALID_ARGUMENT, details).param == param
+
+
+def test_the_engines_sampling_fields_are_the_protos() -> None:
+    """PARAMS comes from the proto; the engine's messages name its own fields: the same names."""
+    from dataclasses import fields
+
+    from ferry.services.common.sampling_params import SamplingParams
+
+    assert {f.name for f in fields(SamplingParams)} == set(PARAMS)

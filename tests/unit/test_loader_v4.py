@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ferry.services.engine.model import LoaderError, export_preset, load_model, prompt_logits
-from ferry.services.engine.model import checkpoint_names_v4 as names
 from ferry.services.engine.model.presets import PRESETS
+from ferry.services.engine.model.v4 import checkpoint_names as names
 from tests.helpers import quantize_fp4_blocks, quantize_fp8_blocks, rel_err, rewrite_config
 from tests.helpers_v4 import make_v4_model, v4_hf_logits
 
@@ -29,7 +29,7 @@ def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("preset", ["v4-tiny", "v4-small"])
 def test_every_name_round_trips_between_the_schemes(preset: str) -> None:
-    for name in names.v4_checkpoint_shapes(PRESETS[preset].config):  # type: ignore[arg-type]
+    for name in names.checkpoint_shapes(PRESETS[preset].config):  # type: ignore[arg-type]
         theirs = names.deepseek_name(name)
         assert names.canonical(theirs) == name == names.canonical(name), (name, theirs)
         assert not theirs.startswith("model.") and "self_attn" not in theirs, theirs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,21 +13,23 @@ from ferry.services.engine.model import (
     load_model,
     prompt_logits,
 )
-from tests.helpers import YARN, make_hf_checkpoint, rel_err
+from tests.helpers import YARN, Checkpoint, rel_err
+
+CHECKPOINT = Checkpoint(
+    seed=7,
+    config={
+        "q_lora_rank": 24,
+        "rope_parameters": YARN,
+        "first_k_dense_replace": 1,
+        "n_group": 4,
+        "topk_group": 2,
+    },
+)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekV3ForCausalLM:
-    path = make_hf_checkpoint(
-        tmp_path_factory.mktemp("mla"),
-        seed=7,
-        q_lora_rank=24,
-        rope_parameters=YARN,
-        first_k_dense_replace=1,
-        n_group=4,
-        topk_group=2,
-    )
-    return load_model(path)
+def model(checkpoint: Path) -> DeepseekV3ForCausalLM:
+    return load_model(checkpoint)
 
 
 def _ids(n: int, seed: int) -> list[int]:

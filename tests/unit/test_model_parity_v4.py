@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ferry.services.engine.model import ForwardBatch, load_model, prompt_logits
-from ferry.services.engine.model.compressors_v4 import Sequence
-from ferry.services.engine.model.config_v4 import V4ModelConfig
+from ferry.services.engine.model.v4.compressors import Sequence
+from ferry.services.engine.model.v4.config import V4ModelConfig
 from tests.helpers import rel_err
 from tests.helpers_v4 import CSA, HCA, SLIDING, make_v4_checkpoint, v4_hf_logits, v4_hf_model
 

@@ -57,9 +57,9 @@ def test_bare_folder_names_do_not_import() -> None:
 def test_no_module_is_loaded_under_two_names() -> None:
     import ferry.gateway.app
     import ferry.infra.cli
-    import ferry.services.decode_worker.service
-    import ferry.services.prefill_worker.service
-    import ferry.services.scheduler.service  # noqa: F401
+    import ferry.services.scheduler.service
+    import ferry.services.worker.decode
+    import ferry.services.worker.prefill  # noqa: F401
 
     ours = {
         name: path

@@ -10,11 +10,11 @@ import torch
 
 from ferry.kernels.fused_moe.reference import fused_moe_torch
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.engine.model.layers import MoE
-from ferry.services.engine.model.layers_v4 import HyperConnection
+from ferry.services.engine.model.moe import MoE
+from ferry.services.engine.model.v4.layers import HyperConnection
 from ferry.services.engine.piece_graphs import compile_pieces
-from ferry.services.prefill_worker.service import PrefillWorker
 from ferry.services.worker.config import WorkerConfig
+from ferry.services.worker.prefill import PrefillWorker
 
 MAX_BATCH = 4
 

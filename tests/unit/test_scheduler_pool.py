@@ -14,14 +14,14 @@ from ferry.gateway.errors import OpenAIError
 from ferry.gateway.schedulers import SchedulerPool
 from ferry.infra.ports import free_port
 from tests.grpc_peer import serve
+from tests.waits import wait_until_async
 
 
 async def _connected(pool: SchedulerPool, n: int) -> None:
-    for _ in range(100):
-        if sum(r.connected() for r in pool.replicas) == n:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{n} replicas never connected")
+    def connected() -> bool:
+        return sum(r.connected() for r in pool.replicas) == n
+
+    await wait_until_async(f"{n} replicas connected", connected, 10)
 
 
 def test_requests_go_to_the_least_busy_live_replica_in_turn() -> None:
@@ -58,7 +58,8 @@ def test_with_none_up_a_request_waits_for_the_first_that_starts() -> None:
         servers: list[grpc.aio.Server] = []
         try:
             picked = asyncio.create_task(pool.pick())
-            await asyncio.sleep(0.5)
+            # the pick has tried both replicas and found neither: it waits for one
+            await wait_until_async("both replicas refused", lambda: _refused(pool), 10)
             assert not picked.done()
             servers.append(await serve(ports[1]))
             assert (await picked).address == f"127.0.0.1:{ports[1]}"
@@ -68,6 +69,11 @@ def test_with_none_up_a_request_waits_for_the_first_that_starts() -> None:
                 await s.stop(None)
 
     asyncio.run(main())
+
+
+def _refused(pool: SchedulerPool) -> bool:
+    failed = grpc.ChannelConnectivity.TRANSIENT_FAILURE
+    return all(r.channel.get_state() is failed for r in pool.replicas)
 
 
 def test_with_none_up_for_wait_s_a_request_is_refused_with_503() -> None:

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 
 from ferry.services.common import tasks
+from tests.waits import wait_until_async
 
 
 class Flaky(Exception):
@@ -38,10 +39,11 @@ def test_a_loop_that_swallowed_its_cancellation_still_stops() -> None:
     async def run() -> tuple[bool, bool]:
         calls: list[int] = []
         task = asyncio.create_task(_loop(calls))
-        while not calls:
-            await asyncio.sleep(0)
+        await wait_until_async("the loop in its call", lambda: calls, 5, every=0)
         task.cancel()  # the first one is swallowed: a plain `await task` would wait for ever
-        await asyncio.sleep(0.05)
+        await wait_until_async(
+            "the loop back in its call, or ended", lambda: len(calls) == 2 or task.done(), 5, 0
+        )
         still_running = not task.done()
         await asyncio.wait_for(tasks.stop(task), 5)
         return still_running, task.cancelled()
