@@ -1,6 +1,9 @@
-# Ferry: `make run` starts a local cluster, `make test` runs lint and the tests.
+# Ferry: `make run` starts a local cluster, `make test` runs lint and the tests, `make help` lists
+# every target. Each target's help is the `## ` text on its line; `##@ ` lines name the groups.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
+# `make` alone sets up, as it always has; `make help` says what else there is.
+.DEFAULT_GOAL := setup
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,9 +13,14 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # pip warns about every file:// index that this machine's pip.conf names but lacks; drop those lines.
 QUIET := { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: setup protos view run test check-install lint format pytest fuzz bench bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured bench-kernels bench-cuda-graphs tune-kernels profile-decode profile-served bench-decode-attention bench-peer chaos simulate test-slow clean redis
+.PHONY: help setup system-packages run test lint pytest test-slow fuzz check-install format clean \
+  bench bench-engine bench-structured bench-kv bench-migration bench-ucx-wedge bench-eplb \
+  bench-wide-ep bench-services bench-serve bench-peer bench-decode-attention profile-decode \
+  profile-served bench-kernels bench-cuda-graphs tune-kernels chaos simulate protos view
 
-setup: redis $(STAMP)
+##@ Set up, run and test
+
+setup: system-packages $(STAMP) ## create .venv: torch (the CPU build), then Ferry with its dev extras; system-packages
 
 # Re-install when pyproject.toml changes; torch first so nothing pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -30,7 +38,7 @@ $(STAMP): pyproject.toml
 # (iproute2), iptables and libnetfilter-queue (NetfilterQueue builds on it), which make, break
 # and slow `ferry up --hosts`' hosts and links. Before the venv: pip builds NetfilterQueue.
 SYSTEM_PACKAGES := redis-server util-linux iproute2 iptables libnetfilter-queue-dev
-redis:
+system-packages: ## apt-get what is missing: redis-server util-linux iproute2 iptables libnetfilter-queue-dev
 	@command -v redis-server >/dev/null && command -v setpriv >/dev/null \
 	  && command -v ip >/dev/null && command -v iptables >/dev/null \
 	  && dpkg -s libnetfilter-queue-dev >/dev/null 2>&1 || { \
@@ -38,57 +46,39 @@ redis:
 	  apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); }
 
-# Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale). The .proto
-# files are read as ferry/protos/*.proto, so the generated code imports `ferry.protos`.
-protos: setup
-	@rm -rf build/protos && mkdir -p build/protos
-	$(PY) -m grpc_tools.protoc -Iferry/protos=protos --python_out=build/protos \
-	  --grpc_python_out=build/protos --pyi_out=build/protos protos/*.proto
-	cp build/protos/ferry/protos/* protos/
-
-run: setup
+run: setup ## ferry up: the tiny model, a private redis-server, the OpenAI API on :8000
 	@echo "make: ferry up: the tiny model, a private redis-server, the OpenAI API on :8000"
 	@$(VENV)/bin/ferry up
 
-# mypy and lint-imports read the packages under the names they install as: build/view/ferry/*
-# link to the folders.
-VIEW := build/view
-PACKAGES := services gateway kernels infra protos
-view:
-	@mkdir -p $(VIEW)/ferry
-	@for p in $(PACKAGES); do ln -sfn ../../../$$p $(VIEW)/ferry/$$p; done
+test: lint pytest ## make lint, then make pytest
 
-lint: setup view
+lint: setup view ## ruff check, ruff format --check, mypy -p ferry and lint-imports (the package boundaries)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	MYPYPATH=$(VIEW) $(VENV)/bin/mypy -p ferry
 	PYTHONPATH=$(VIEW) $(VENV)/bin/lint-imports
 
-format: setup
-	$(VENV)/bin/ruff check --fix .
-	$(VENV)/bin/ruff format .
-
-# `make test` stays under 15 minutes here (~13): the tests marked slow (whole clusters of the V4
-# model, the Triton interpreter over a whole model, the benchmark scripts' and Locust's smoke runs;
-# ~2.5 min) run in `make test-slow`, which CI runs after it
-pytest: setup
+# `make test` stays under 15 minutes here: the tests marked slow (whole clusters of the V4
+# model, the Triton interpreter over a whole model, the benchmark scripts' and Locust's smoke runs,
+# the docs' examples) run in `make test-slow`, which CI runs after it
+pytest: setup ## the tests not marked slow (tests/unit, tests/kernels, tests/integration)
 	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz -m "not slow"
 
-test-slow: setup
+test-slow: setup ## the tests marked slow: V4 clusters, interpreted kernels, smoke runs, the docs' examples
 	$(VENV)/bin/pytest -q tests --ignore=tests/fuzz -m slow
 
 # schemathesis over the REST API's OpenAPI schema and hypothesis over the public gRPC API, against
 # a `ferry up` of the tiny model: no 5xx, INTERNAL or UNKNOWN for a client's mistake, every error
-# in its documented shape (~2.5 min here) -> loadtest/results/fuzz.json
-fuzz: setup
+# in its documented shape -> loadtest/results/fuzz.json
+fuzz: setup ## fuzz the REST and gRPC APIs of a local cluster -> loadtest/results/fuzz.json
 	$(VENV)/bin/pytest -q tests/fuzz
 
 # Ferry built and installed (not editable) into a fresh venv beside Hugging Face's `kernels` and
 # the newest transformers the requirement admits: both import, from outside the checkout. Then
-# the V3 parity tests run there on each transformers version the requirement admits (~3 min).
+# the V3 parity tests run there on each transformers version the requirement admits.
 CHECK_VENV := build/check-install
 TRANSFORMERS_VERSIONS := 5.24.0 5.25.0
-check-install:
+check-install: ## install Ferry into a fresh venv beside HF's kernels; parity tests per transformers
 	rm -rf $(CHECK_VENV) && $(PYTHON) -m venv $(CHECK_VENV)
 	$(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" 2>&1 | $(QUIET)
 	$(CHECK_VENV)/bin/python -m pip install -q --disable-pip-version-check . kernels pytest pytest-timeout 2>&1 | $(QUIET)
@@ -102,88 +92,104 @@ check-install:
 	    tests/unit/test_engine_parity.py tests/unit/test_mla_paths.py \
 	    tests/unit/test_model_parity_v4.py; done
 
-test: lint pytest
+format: setup ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
-bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured
+clean: ## remove .venv and the tools' caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
 
-bench-kv: setup
-	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
+##@ Benchmarks (BENCH_ARGS="..." passes flags; each writes loadtest/results/, see loadtest/README.md)
 
-# UCX importers wedged by exporters killed mid-pull, and whether the workers' probe sees it (~3 min)
-bench-ucx-wedge: setup
-	$(PY) loadtest/ucx_wedge.py $(BENCH_ARGS)
+bench: bench-engine bench-kv bench-services bench-wide-ep bench-eplb bench-serve bench-ucx-wedge bench-migration bench-structured ## the CPU benchmarks, one after another
 
-# A decode worker killed under 8 streaming requests (--migration-limit 1): stalls, outputs (~1 min)
-# structured outputs: decode with and without a grammar side by side, and compile times (~15 s)
-bench-structured: setup
+# BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests
+bench-engine: setup ## Ferry's engine against transformers generate -> engine.json
+	$(PY) loadtest/bench_engine.py $(BENCH_ARGS)
+
+bench-structured: setup ## decoding with a grammar beside free decoding, and compile times -> structured.json
 	$(PY) loadtest/bench_structured.py $(BENCH_ARGS)
 
-bench-migration: setup
+bench-kv: setup ## KV transfer GB/s and latency per transport -> kv_transfer.json
+	$(PY) loadtest/bench_kv_transfer.py $(BENCH_ARGS)
+
+bench-migration: setup ## a decode worker, then a scheduler, killed under 8 streams -> migration*.json
 	$(PY) loadtest/bench_migration.py $(BENCH_ARGS)
 	$(PY) loadtest/bench_migration.py --kill scheduler --out loadtest/results/migration_scheduler.json $(BENCH_ARGS)
 
-# 64 concurrent greedy requests through `ferry up` against the in-process engine (~2 min here)
-bench-services: setup
+bench-ucx-wedge: setup ## UCX importers wedged by exporters killed mid-pull, and the probe -> ucx_wedge.json
+	$(PY) loadtest/ucx_wedge.py $(BENCH_ARGS)
+
+bench-eplb: setup ## EPLB placement against DeepSeek's published algorithm -> eplb.json
+	$(PY) loadtest/bench_eplb.py $(BENCH_ARGS)
+
+bench-wide-ep: setup ## one MoE layer at 2 and 4 ranks, DEP2 against two workers -> wide_ep.json
+	$(PY) loadtest/bench_wide_ep.py $(BENCH_ARGS)
+
+bench-services: setup ## 64 requests through ferry up against the in-process engine -> services.json
 	$(PY) loadtest/bench_services.py $(BENCH_ARGS)
 
-# One user's decode step, in-process: forward vs the rest, and the operators it launches
-profile-decode: setup
-	$(PY) loadtest/profile_decode.py $(BENCH_ARGS)
-
-# One user's served token, hop by hop (engine, asyncio, decode worker, scheduler, gateway gRPC,
-# SSE): TPOT at each and each process's CPU per token (~3 min here)
-profile-served: setup
-	$(PY) loadtest/profile_served.py $(BENCH_ARGS)
-
-# decode attention on the CPU, the C kernel beside the torch path (~3 min) -> loadtest/results/decode-attention-cpu.json
-bench-decode-attention: setup
-	$(PY) loadtest/bench_decode_attention.py $(BENCH_ARGS)
+bench-serve: setup ## AgentX-like sessions through ferry up, 4 configurations -> serve-*.json, .png
+	$(PY) loadtest/sweep.py $(BENCH_ARGS)
 
 # Ferry against llama.cpp's llama-server on the same weights (tiny → GGUF): logits, one user
 # in-process, then served at 1/8/32 sessions. Builds llama-server from the llama-cpp-python sdist
-# into build/peer once (~10 min on 2 cores); ~10 min more -> loadtest/results/peer-llamacpp.*
-bench-peer: setup
+# into build/peer once.
+bench-peer: setup ## Ferry against llama.cpp's llama-server on the same weights -> peer-llamacpp.*
 	$(PY) loadtest/bench_peer.py $(BENCH_ARGS)
 
-# faults across hosts (network namespaces; root): loadtest/results/chaos.json. --short: ~5 min
-chaos: setup
-	$(PY) loadtest/chaos.py $(BENCH_ARGS)
+bench-decode-attention: setup ## CPU decode attention, the C kernel beside torch -> decode-attention-cpu.json
+	$(PY) loadtest/bench_decode_attention.py $(BENCH_ARGS)
 
-# the seed's setting simulated: DeepSeek-V4-Flash on 72 GB300, the default sweep (~3-5 min)
-simulate: setup
-	$(VENV)/bin/ferry simulate --hardware gb300 --gpus 72 --model deepseek-v4-flash \
-	  --out loadtest/results/simulate-gb300 $(BENCH_ARGS)
+profile-decode: setup ## one user's decode step in-process, eager and compiled -> profile-decode-*.json
+	$(PY) loadtest/profile_decode.py $(BENCH_ARGS)
 
-# MoE layer dispatch/compute/combine at 2 and 4 ranks; DEP2 vs two independent workers (~1 min)
-bench-wide-ep: setup
-	$(PY) loadtest/bench_wide_ep.py $(BENCH_ARGS)
-
-# AgentX-like sessions through `ferry up` at 1,2,4,8 live sessions x 30 s, 4 configurations
-# (~10 min here) -> loadtest/results/serve-*.json, serve-pareto.png, serve-ttft.png
-bench-serve: setup
-	$(PY) loadtest/sweep.py $(BENCH_ARGS)
-
-# EPLB placement vs the published algorithm: balance, runtime, slots moved on drift (~1 min)
-bench-eplb: setup
-	$(PY) loadtest/bench_eplb.py $(BENCH_ARGS)
-
-# BENCH_ARGS, e.g. "--hf-requests 32" to time transformers on fewer requests (the full run takes ~1 h here)
-bench-engine: setup
-	$(PY) loadtest/bench_engine.py $(BENCH_ARGS)
+# One user's served token, hop by hop (engine, asyncio, decode worker, scheduler, gateway gRPC,
+# SSE): TPOT at each and each process's CPU per token
+profile-served: setup ## one user's token through ferry up, hop by hop -> profile-served-tiny.json
+	$(PY) loadtest/profile_served.py $(BENCH_ARGS)
 
 # each Triton kernel checked and timed at DeepSeek-V3 shapes, then the small model on each backend
-# (needs a CUDA GPU) -> loadtest/results/kernels.json, kernels_model.json
-bench-kernels: setup
+bench-kernels: setup ## CUDA: Triton kernels against torch, and the small model -> kernels*.json
 	$(PY) -m ferry.kernels.bench $(BENCH_ARGS)
 	$(PY) loadtest/bench_model_kernels.py
 
-# on a CUDA host: the small model's whole decode step eager and as CUDA graphs, batch 1..256
-# -> loadtest/results/cuda-graphs-small.json (says so and exits 0 without a GPU)
-bench-cuda-graphs: setup
+# says so and exits 0 without a GPU
+bench-cuda-graphs: setup ## CUDA: the small model's decode step eager and as CUDA graphs -> cuda-graphs-small.json
 	$(PY) loadtest/bench_cuda_graphs.py $(BENCH_ARGS)
 
-tune-kernels: setup
+tune-kernels: setup ## CUDA: every tiling of mla_decode, fused_moe, prefill_attention -> kernel_tuning.json
 	$(PY) -m ferry.kernels.tune $(BENCH_ARGS)
 
-clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+# faults across hosts (network namespaces; root). --short: one fault of each kind (CI)
+chaos: setup ## root: one fault at a time on a ferry up --hosts cluster under load -> chaos.json
+	$(PY) loadtest/chaos.py $(BENCH_ARGS)
+
+# the seed's setting simulated: DeepSeek-V4-Flash on 72 GB300, the default sweep
+simulate: setup ## ferry simulate of DeepSeek-V4-Flash on 72 GB300 -> simulate-gb300/
+	$(VENV)/bin/ferry simulate --hardware gb300 --gpus 72 --model deepseek-v4-flash \
+	  --out loadtest/results/simulate-gb300 $(BENCH_ARGS)
+
+##@ Tools
+
+help: ## this list
+	@awk 'BEGIN { FS = ":.*## " } \
+	  /^##@ / { printf "\n%s\n", substr($$0, 5) } \
+	  /^[a-z][a-zA-Z0-9_-]*:([^=]|$$).*## / { printf "  %-24s %s\n", $$1, $$2 }' \
+	  $(firstword $(MAKEFILE_LIST))
+
+# Regenerate protos/*_pb2*.py from protos/*.proto (tests fail when they are stale). The .proto
+# files are read as ferry/protos/*.proto, so the generated code imports `ferry.protos`.
+protos: setup ## regenerate protos/*_pb2*.py from protos/*.proto
+	@rm -rf build/protos && mkdir -p build/protos
+	$(PY) -m grpc_tools.protoc -Iferry/protos=protos --python_out=build/protos \
+	  --grpc_python_out=build/protos --pyi_out=build/protos protos/*.proto
+	cp build/protos/ferry/protos/* protos/
+
+# mypy and lint-imports read the packages under the names they install as: build/view/ferry/*
+# link to the folders.
+VIEW := build/view
+PACKAGES := services gateway kernels infra protos
+view: ## link build/view/ferry/* to the folders, for mypy and lint-imports
+	@mkdir -p $(VIEW)/ferry
+	@for p in $(PACKAGES); do ln -sfn ../../../$$p $(VIEW)/ferry/$$p; done
