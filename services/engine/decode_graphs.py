@@ -92,7 +92,9 @@ class DecodeGraphs:
         max_model_len: int,
         max_batch: int,
         log: Log | None = None,
+        plan: list[tuple[int, int, dict[str, Any]]] | None = None,
     ) -> None:
+        """``plan``: the graphs to compile, default ``graph_plan(model, max_batch)``."""
         self.model = model
         self.kv_cache = kv_cache
         self.cache_inputs = model.graph_inputs(kv_cache)
@@ -101,7 +103,7 @@ class DecodeGraphs:
         self.max_width = max(2, -(-max_model_len // block_size))
         self._graphs: list[tuple[int, Any]] = []  # (largest batch, compiled step), ascending
         self.steps = 0  # steps run, for tests and benchmarks
-        plan = graph_plan(model, max_batch)
+        plan = plan or graph_plan(model, max_batch)
         for n, (low, high, options) in enumerate(plan, 1):
             if log:
                 what = f"{low}..{high}" if high > low else f"{low}"
@@ -130,8 +132,8 @@ class DecodeGraphs:
         # inductor gives equal sizes one symbol: example sizes that equal a dimension of the
         # cache (or each other) would be specialised to it
         taken = {self._counts_example().numel(), *(d for t in self.cache_inputs for d in t.shape)}
-        width = unlike(taken, 2, self.max_width)
-        batch = unlike(taken | {width}, max(low, 2), high) if high > low else low
+        batch = unlike(taken, max(low, 2), high) if high > low else low
+        width = unlike(taken | {batch}, 2, self.max_width)  # a fixed batch of 2 would pin it
         example = self._example(batch, width)
         w = torch.export.Dim("width", min=2, max=max(width, self.max_width))
         if high == low:

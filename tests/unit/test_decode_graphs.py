@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.decode_graphs import DecodeGraphs
 from ferry.services.engine.model import ForwardBatch
 
 MAX_GRAPH_BATCH = 3
@@ -84,6 +85,28 @@ def test_every_batch_and_width_runs_without_recompiling(compiled: Engine) -> Non
                 moe_layers = compiled.model.config.num_moe_layers
                 assert counts.sum() == moe_layers * batch * 4  # every choice, counted once
                 compiled.kv_cache.zero_()
+
+
+def test_a_graph_for_batch_two_only_takes_every_width() -> None:
+    """``--max-num-seqs 2``: the batched graph is for batch 2 alone; an example block table of
+    width 2 would share the batch's symbol and pin the width (a context past two blocks then
+    failed inside the compiled step)."""
+    engine = Engine(EngineConfig(model="tiny", num_kv_blocks=40, enforce_eager=True))
+    bs = engine.block_size
+    graphs = DecodeGraphs(engine.model, engine.kv_cache, bs, 40 * bs, 2, plan=[(2, 2, {})])
+    with torch.inference_mode():
+        for width in (2, 3, 5):
+            tables = [[2 * width * i + j for j in range(width)] for i in range(2)]
+            positions = [width * bs - 1, width * bs - 3]
+            counts = torch.zeros(len(graphs._counts_example()), dtype=torch.long)
+            logits = graphs.run([11, 12], positions, tables, counts)
+            engine.kv_cache.zero_()
+            fb = ForwardBatch.build([1, 1], positions, tables, bs)
+            want = engine.model.compute_logits(
+                engine.model(torch.tensor([11, 12]), fb, engine.kv_cache)
+            )
+            engine.kv_cache.zero_()
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_batch_of_short_and_long_contexts_gives_the_eager_logits(compiled: Engine) -> None:
