@@ -466,7 +466,7 @@ CLUSTER = Flags(
     option(
         "--model",
         EngineConfig.model,
-        "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory",
+        "preset (tiny, small, v4-tiny, v4-small, v41-tiny, v41-small) or HF checkpoint directory",
     ),
     Flag("--redis-url", "Redis to use (default: start a private redis-server)"),
     option(

@@ -234,7 +234,10 @@ SERVICE = Flags(
 
 ENGINE = Flags(
     EngineConfig,
-    Flag("--model", "preset (tiny, small, v4-tiny, v4-small) or HF checkpoint directory"),
+    Flag(
+        "--model",
+        "preset (tiny, small, v4-tiny, v4-small, v41-tiny, v41-small) or HF checkpoint directory",
+    ),
     Flag("--dtype", "weights and KV cache dtype", choices=list(DTYPES)),
     Flag(
         "--block-size",

@@ -9,6 +9,7 @@ sequences in decode and measure the share of step time spent outside the model f
     python loadtest/bench_engine.py                      # the full workload (transformers: ~1 h here)
     python loadtest/bench_engine.py --hf-requests 32     # transformers on the first 32 requests only
     python loadtest/bench_engine.py --model v4-small     # DeepSeek-V4 -> results/engine-v4-small.json
+    python loadtest/bench_engine.py --model v41-small --num-requests 64  # against v4-small
 
 The result also has each model's KV cache per token and per request (the fixed part: DeepSeek-V4's
 window and compressor rows), for the preset and the full-size model it stands for, V3 beside V4.
@@ -29,15 +30,22 @@ from harness import record, write_result
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model import PRESETS, export_preset
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup
-from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
+from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH, DEEPSEEK_V41_FLASH
 from ferry.services.engine.model.v4.config import V4ModelConfig
 from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
+from ferry.services.engine.model.v41.config import V41ModelConfig
+from ferry.services.engine.model.v41.kv_cache import v41_cache_spec
 
 # the full-size models the presets stand for (shapes only): DeepSeek-V3 and V4-Flash, bf16
 FULL_SIZE = {
     "deepseek-v3 (bf16)": CacheSpec((PagedGroup("latent", 61, 1, 512 + 64),)),
     "deepseek-v4-flash (bf16)": v4_cache_spec(DEEPSEEK_V4_FLASH),
+    "deepseek-v4.1-flash (bf16)": v41_cache_spec(DEEPSEEK_V41_FLASH),
 }
+
+
+# V4.1 has no transformers implementation: its baseline is V4's preset of the same size
+AGAINST = {"v41-tiny": "v4-tiny", "v41-small": "v4-small"}
 
 
 def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
@@ -162,11 +170,12 @@ def kv_bytes() -> dict[str, object]:
     out: dict[str, object] = {}
     for name, preset in PRESETS.items():
         c = preset.config
-        spec = (
-            v4_cache_spec(c)
-            if isinstance(c, V4ModelConfig)
-            else CacheSpec((PagedGroup("latent", c.num_hidden_layers, 1, c.kv_cache_dim),))
-        )
+        if isinstance(c, V41ModelConfig):
+            spec = v41_cache_spec(c)
+        elif isinstance(c, V4ModelConfig):
+            spec = v4_cache_spec(c)
+        else:
+            spec = CacheSpec((PagedGroup("latent", c.num_hidden_layers, 1, c.kv_cache_dim),))
         out[f"{name} (float32)"] = row(spec, 4)
     for name, spec in FULL_SIZE.items():
         out[name] = row(spec, 2)
@@ -193,6 +202,12 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--hf-requests", type=int, default=None, help="default: all; a multiple of 16")
+    ap.add_argument(
+        "--against",
+        default=None,
+        help="a preset to run through Ferry as the baseline instead of transformers "
+        "(default for v41-*: the v4-* preset of the same size)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -214,14 +229,22 @@ def main() -> None:
     print(f"ferry: {len(reqs)} requests", flush=True)
     ferry = run_ferry(args, reqs)
     print(f"  {ferry['output_tokens_per_s']:.1f} output tokens/s ({ferry['seconds']:.0f}s)")
-    hf_reqs = reqs[: args.hf_requests] if args.hf_requests else reqs
-    print(f"transformers: {len(hf_reqs)} requests in batches of 16", flush=True)
-    hf = run_hf(args, hf_reqs)
-    print(f"  {hf['output_tokens_per_s']:.1f} output tokens/s ({hf['seconds']:.0f}s)")
-    ratio = ferry["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    against = args.against or AGAINST.get(args.model)
+    if against:  # no transformers implementation: the other family's preset, through Ferry
+        print(f"ferry {against}: {len(reqs)} requests", flush=True)
+        base = run_ferry(argparse.Namespace(**{**vars(args), "model": against}), reqs)
+        baseline = {"model": against, "engine": "ferry", **base}
+    else:
+        hf_reqs = reqs[: args.hf_requests] if args.hf_requests else reqs
+        print(f"transformers: {len(hf_reqs)} requests in batches of 16", flush=True)
+        base = run_hf(args, hf_reqs)
+        baseline = {"model": args.model, "engine": "transformers", **base}
+        baseline |= {"batch_size": 16, "padding": "left"}
+    print(f"  {base['output_tokens_per_s']:.1f} output tokens/s ({base['seconds']:.0f}s)")
+    ratio = ferry["output_tokens_per_s"] / base["output_tokens_per_s"]
     print(
-        f"ratio ferry / transformers: {ratio:.1f}x (target >= 5); outside-forward "
-        f"{shares[1]['share']:.1%} at 1, {shares[64]['share']:.1%} at 64 (target <= 10%)"
+        f"ratio {args.model} / {baseline['model']} ({baseline['engine']}): {ratio:.2f}x; "
+        f"outside-forward {shares[1]['share']:.1%} at 1, {shares[64]['share']:.1%} at 64"
     )
     result = {
         **header,
@@ -235,7 +258,7 @@ def main() -> None:
             "greedy": True,
         },
         "ferry": ferry,
-        "transformers": {**hf, "batch_size": 16, "padding": "left"},
+        "baseline": baseline,
         "ratio": ratio,
         "outside_forward_at_1": shares[1],
         "outside_forward_at_64": shares[64],

@@ -158,18 +158,20 @@ class PagedGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., tokens_per_entry: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class StateRing(_message.Message):
-    __slots__ = ("name", "num_layers", "rows", "dim", "at_boundary")
+    __slots__ = ("name", "num_layers", "rows", "dim", "at_boundary", "token_ids")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     rows: int
     dim: int
     at_boundary: bool
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
+    token_ids: bool
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., at_boundary: _Optional[bool] = ..., token_ids: _Optional[bool] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("transfer_id", "worker_id", "host", "port", "num_tokens", "block_size", "num_blocks", "layout", "expires_at", "transport")

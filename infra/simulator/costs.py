@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ferry.infra.simulator.hardware import Hardware
+from ferry.services.engine.model.config import ConfigError
 from ferry.services.engine.model.full_size import DEEPSEEK_V3, DEEPSEEK_V4_FLASH
 from ferry.services.engine.model.registry import AnyModelConfig, config_from_hf_dict
 from ferry.services.engine.model.v3.config import ModelConfig
 from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
+from ferry.services.engine.model.v41.config import V41ModelConfig
 
 if TYPE_CHECKING:
     from ferry.infra.simulator.calibration import Efficiency
@@ -149,6 +151,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: AnyModelConfig, name: str) -> ModelShape:
+        if isinstance(config, V41ModelConfig):
+            raise ConfigError(f"{name}: the simulator has no DeepSeek-V4.1 cost model yet")
         if isinstance(config, V4ModelConfig):
             return _v4_shape(config, name)
         return _v3_shape(config, name)

@@ -24,8 +24,8 @@ from torch import nn
 
 from ferry.kernels.fused_moe.reference import fused_moe_gathered
 from ferry.services.engine.decode_graphs import export_and_compile, unlike
+from ferry.services.engine.model.mhc import HyperConnection
 from ferry.services.engine.model.moe import MoE
-from ferry.services.engine.model.v4.layers import HyperConnection
 
 Log = Callable[[str], None]
 Compiled = Callable[..., Any]
@@ -69,7 +69,7 @@ def compile_pieces(model: nn.Module, max_batch: int, log: Log | None = None) -> 
     returns how many."""
     graphs: dict[tuple[object, ...], Compiled] = {}
     for m in model.modules():
-        if isinstance(m, HyperConnection):
+        if isinstance(m, HyperConnection) and m.mixes_in_forward:
             key: tuple[object, ...] = (m.hc, m.iters, m.eps, m.norm.eps, m.fn.shape, m.fn.dtype)
             if key not in graphs:
                 if log:

@@ -60,7 +60,10 @@ class LayoutFingerprint:
         groups = " ".join(
             f"{g.name}[L{g.num_layers} /{g.tokens_per_entry} D{g.dim}]" for g in self.groups
         )
-        state = "".join(f" {r.name}[L{r.num_layers} R{r.rows} D{r.dim}]" for r in self.state)
+        state = "".join(
+            f" {r.name}[L{r.num_layers} R{r.rows} D{r.dim}{' ids' if r.token_ids else ''}]"
+            for r in self.state
+        )
         blocks = f" in {self.state_blocks} blocks" if self.state else ""
         return f"{self.model_fingerprint}/{self.dtype}/B{self.block_size} {groups}{state}{blocks}"
 

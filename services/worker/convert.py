@@ -92,7 +92,10 @@ def kv_handle_from_pb(msg: pb.KvHandle) -> KvHandle:
         lay.dtype,
         lay.block_size,
         tuple(PagedGroup(g.name, g.num_layers, g.tokens_per_entry, g.dim) for g in lay.groups),
-        tuple(StateRing(r.name, r.num_layers, r.rows, r.dim, r.at_boundary) for r in lay.state),
+        tuple(
+            StateRing(r.name, r.num_layers, r.rows, r.dim, r.at_boundary, r.token_ids)
+            for r in lay.state
+        ),
         lay.state_blocks,
     )
     return KvHandle(

@@ -198,12 +198,10 @@ def test_a_config_it_cannot_read_says_why(change: dict[str, Any], message: str) 
         V4ModelConfig.from_hf_dict(d, source="cfg")
 
 
-def test_a_v4_checkpoint_reads_as_v4_and_v41_is_refused(tmp_path: Path) -> None:
+def test_a_v4_checkpoint_reads_as_v4(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LEGACY))
     assert read_config(tmp_path) == V4ModelConfig.from_hf_dict(LEGACY)
     with pytest.raises(ConfigError, match="model_type 'deepseek_v4' is not deepseek_v3"):
         ModelConfig.from_hf_dict(LEGACY)
     with pytest.raises(ConfigError, match="compress_ratios: 16 is neither 0"):
         config_from_hf_dict(LEGACY | {"compress_ratios": [0, 16]})
-    with pytest.raises(ConfigError, match=r"DeepSeek-V4\.1 .* is not served"):
-        config_from_hf_dict({"model_type": "deepseek_v41"})

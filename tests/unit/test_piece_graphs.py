@@ -10,8 +10,8 @@ import torch
 
 from ferry.kernels.fused_moe.reference import fused_moe_torch
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
+from ferry.services.engine.model.mhc import HyperConnection
 from ferry.services.engine.model.moe import MoE
-from ferry.services.engine.model.v4.layers import HyperConnection
 from ferry.services.engine.piece_graphs import compile_pieces
 from ferry.services.worker.config import WorkerConfig
 from ferry.services.worker.prefill import PrefillWorker

@@ -38,9 +38,10 @@ class StateRing:
     rows: int
     dim: int  # values per row
     at_boundary: bool = True  # holds anything at a block boundary (a snapshot copies it)
+    token_ids: bool = False  # holds token ids: int64, whatever the cache's dtype
 
     def bytes_per_slot(self, itemsize: int) -> int:
-        return self.num_layers * self.rows * self.dim * itemsize
+        return self.num_layers * self.rows * self.dim * (8 if self.token_ids else itemsize)
 
 
 @dataclass(frozen=True)

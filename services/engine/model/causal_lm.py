@@ -4,6 +4,7 @@ counting expert load, the routing-skew test knob, the idle MoE pass, and the log
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,10 @@ class MoECausalLM(nn.Module):
 
     def decoder_layers(self) -> Iterable[nn.Module]:
         raise NotImplementedError
+
+    def attach_checkpoint_files(self, path: Path) -> None:
+        """Read what the model needs from its checkpoint's folder besides the weights (V4.1's
+        Engram: the tokenizer). Nothing, for most families."""
 
     def cache_spec(self) -> CacheSpec:
         """What the model keeps per token (paged groups) and per request (state rings)."""

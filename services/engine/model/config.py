@@ -1,5 +1,5 @@
 """What every family's config shares: the error a config.json that Ferry cannot run raises, YaRN's
-parameters, and the FP8 block of a quantized checkpoint. Each family's own config class is in its
+parameters, and the FP8 block and FP4 grid of a quantized checkpoint. Each family's own config class is in its
 package (``v3/config.py``, ``v4/config.py``); ``registry`` picks one by ``model_type``. No torch.
 """
 
@@ -8,6 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+# FP4 e2m1 (DeepSeek's routed experts, V4.1's cache entries): the code's magnitudes, bit 3 the
+# sign; a checkpoint's FP4 weights have one E8M0 scale per FP4_BLOCK values of a row
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_BLOCK = 32
 
 
 class ConfigError(ValueError):

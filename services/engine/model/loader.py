@@ -3,6 +3,10 @@ block-quantized, FP4 routed experts), the seeded presets, and export of a preset
 Every family alike: the config's ``model_type`` picks the family (``registry``), whose model class
 is built and whose ``checkpoint_names`` say which tensors to expect and how they are named.
 
+A preset of a family with a released layout (``RELEASED_LAYOUTS``: DeepSeek-V4.1) is exported in
+it, FP8/FP4 with E8M0 scales and BF16, and its random weights are generated on that format's grid,
+so that the preset and its export are the same model; the others are exported in float32.
+
 Every error names the file and the tensor at fault; none is a bare KeyError.
 """
 
@@ -11,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import tempfile
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,9 +26,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ferry.services.common.log import get_logger
+from ferry.services.common.tokenizer import write_byte_tokenizer_json
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.config import ConfigError
+from ferry.services.engine.model.config import E2M1, FP4_BLOCK, ConfigError
 from ferry.services.engine.model.moe import MoE
 from ferry.services.engine.model.presets import PRESETS, Preset
 from ferry.services.engine.model.registry import (
@@ -32,6 +40,8 @@ from ferry.services.engine.model.registry import (
     family_of,
 )
 
+log = get_logger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's FP8 scales: float32, beside the weight's name
@@ -39,10 +49,26 @@ E8M0_SCALE = ".scale"  # DeepSeek-V4's: `X.scale` in E8M0 (powers of two) for `X
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # FP4 e2m1, two per byte (the even index in the low nibble), as DeepSeek-V4's routed experts
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
-FP4_BLOCK = 32  # values per E8M0 scale, along a row
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; bit 3 is the sign
 # a routed expert's tensor by Ferry's name, in every family: rows of the slot-stacked parameters
 EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+# How a tensor is stored in a released checkpoint: FP8 e4m3 and FP4 e2m1 with E8M0 scales, BF16,
+# F32 (as generated: float32, or an integer table). DENSE: FP8 in a quantized checkpoint, else
+# BF16; EXPERT: FP4 where the config's expert_dtype says so, else DENSE.
+FP8, FP4, BF16, F32, DENSE, EXPERT = "fp8", "fp4", "bf16", "f32", "dense", "expert"
+Layout = tuple[tuple[re.Pattern[str], str], ...]
+# By model_type, Ferry's tensor names -> how the family's released checkpoints store them: the
+# first pattern that matches decides, the rest are BF16. Families without one export float32.
+RELEASED_LAYOUTS: dict[str, Layout] = {
+    # v41-golden's README, "Checkpoint format"
+    "deepseek_v41": (
+        (EXPERT_RE, EXPERT),
+        (re.compile(r"\.engram\.embed\.weight$"), FP8),  # FP8 rows even in a bf16 checkpoint
+        (re.compile(r"\.self_attn\.(q_a|q_b|kv|o_a|o_b|indexer\.q_b)_proj\.weight$"), DENSE),
+        (re.compile(r"\.(shared_experts\.\w+_proj|engram\.wkv)\.weight$"), DENSE),
+        (re.compile(r"\.(sinks|e_score_correction_bias)$|_hc\.(fn|base|scale)$"), F32),
+    ),
+}
 
 
 class LoaderError(ValueError):
@@ -237,6 +263,7 @@ def _read_stored(
             return tensor
 
         scales = {s for n in weight_map for s in _scale_names(n) if s in weight_map}
+        _log_not_loaded([n for n in weight_map if names.is_ignored(n, config)], str(path))
         for name in sorted(weight_map, key=lambda n: (weight_map[n], n)):
             if name in scales or names.is_ignored(name, config):
                 continue
@@ -249,9 +276,19 @@ def _read_stored(
                 if not found:
                     want = " or ".join(f"'{s}'" for s in _scale_names(name))
                     raise LoaderError(f"{file}: FP8 tensor '{name}' has no {want}")
-                block = config.fp8_block_size or (128, 128)
+                block = names.fp8_block(name, config)
                 tensor = dequantize_fp8(tensor, get(found[0]), block, found[0], file)
             yield name, tensor, file
+
+
+def _log_not_loaded(names: list[str], where: str) -> None:
+    """One line for the stored tensors Ferry does not load (a text-only model's vision tower,
+    drafter layers), counted by their first name part."""
+    if not names:
+        return
+    counts = Counter(n.split(".")[0] for n in names)
+    parts = ", ".join(f"{k}.* ({v})" for k, v in sorted(counts.items()))
+    log.info("checkpoint tensors not loaded", where=where, count=len(names), parts=parts)
 
 
 def _scale_names(name: str) -> list[str]:
@@ -282,6 +319,7 @@ def load_checkpoint(
     path = Path(path)
     config = read_config(path)
     model = build_empty_model(config, dtype, device, placement)
+    model.attach_checkpoint_files(path)
     return load_weights(model, _read_tensors(path, config), str(path))
 
 
@@ -293,6 +331,10 @@ def load_preset(
 ) -> MoECausalLM:
     preset = PRESETS[name]
     model = build_empty_model(preset.config, dtype, device, placement)
+    # what its export holds beside the weights: the byte tokenizer (V4.1's Engram reads it)
+    with tempfile.TemporaryDirectory(prefix="ferry-preset-") as folder:
+        write_byte_tokenizer_json(Path(folder))
+        model.attach_checkpoint_files(Path(folder))
     tensors = ((n, t, f"preset:{name}") for n, t in random_state_dict(preset).items())
     return load_weights(model, tensors, f"preset:{name}")
 
@@ -331,43 +373,102 @@ def save_checkpoint(
 
 
 def export_preset(name: str, path: str | Path, max_shard_bytes: int | None = None) -> Path:
-    """Write preset ``name`` as a HF checkpoint that transformers and Ferry both load."""
-    from ferry.services.common.tokenizer import write_byte_tokenizer_json
-
+    """Write preset ``name`` as a checkpoint in its family's released layout (names, dtypes,
+    config.json, the byte tokenizer's tokenizer.json), which Ferry loads, and transformers for
+    the families it implements."""
     preset = PRESETS[name]
     names = family_of(preset.config).checkpoint_names()
-    state = {names.stored_name(n): t for n, t in random_state_dict(preset).items()}
+    state: dict[str, torch.Tensor] = {}
+    for n, t in random_state_dict(preset).items():
+        state.update(_released(n, t, preset.config, names))
     save_checkpoint(preset.config, state, path, max_shard_bytes)
     write_byte_tokenizer_json(Path(path))
     return Path(path)
 
 
 def random_state_dict(preset: Preset) -> dict[str, torch.Tensor]:
-    """Ferry-named float32 weights: N(0, init_std) matrices, unit norms, a small routing bias;
-    for DeepSeek-V4 also attention sinks, slot biases, mHC bases and scales that are not their
-    trivial values, and a token-to-experts table (distinct experts per token)."""
+    """Ferry-named float32 weights: N(0, init_std) matrices (V4.1's Engram tables too, as the
+    token embeddings), unit norms, a small routing bias; for DeepSeek-V4 and V4.1 also
+    attention sinks, mHC bases and scales that are not their trivial values; V4's slot biases
+    and token-to-experts table (distinct experts per token); V4.1's Engram q/k weights near 1.
+    A family with a released layout gets each tensor on its stored format's grid
+    (``_on_grid``)."""
     gen = torch.Generator().manual_seed(preset.seed)
     config = preset.config
-    shapes = family_of(config).checkpoint_names().checkpoint_shapes(config)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in sorted(shapes.items()):
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape)
-        elif name.endswith("e_score_correction_bias"):
-            t = (torch.rand(shape, generator=gen) - 0.5) * 0.04
-        elif leaf == "tid2eid":
-            experts = config.n_routed_experts
-            t = torch.stack(
-                [torch.randperm(experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
-            )
-        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
-            t = torch.randn(shape, generator=gen) * 0.5
-        elif leaf in ("scale", "hc_scale"):
-            t = 1 + torch.randn(shape, generator=gen) * 0.1
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * preset.init_std
-        out[name] = t
-    return out
+    names = family_of(config).checkpoint_names()
+    shapes = names.checkpoint_shapes(config)
+    return {
+        name: _on_grid(name, _random_tensor(name, shape, preset, gen), config, names)
+        for name, shape in sorted(shapes.items())
+    }
+
+
+def _random_tensor(
+    name: str, shape: tuple[int, ...], preset: Preset, gen: torch.Generator
+) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("e_score_correction_bias"):
+        return (torch.rand(shape, generator=gen) - 0.5) * 0.04
+    if leaf == "tid2eid":
+        experts = preset.config.n_routed_experts
+        return torch.stack(
+            [torch.randperm(experts, generator=gen)[: shape[1]] for _ in range(shape[0])]
+        )
+    if leaf in ("sinks", "position_bias", "base", "hc_base"):
+        return torch.randn(shape, generator=gen) * 0.5
+    if leaf in ("scale", "hc_scale", "q_weight", "k_weight"):
+        return 1 + torch.randn(shape, generator=gen) * 0.1
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    return torch.randn(shape, generator=gen) * preset.init_std
+
+
+def _stored_as(name: str, config: AnyModelConfig) -> str:
+    """FP8, FP4, BF16 or F32: how the family's released checkpoints store Ferry's ``name``
+    (F32 for a family without a released layout)."""
+    layout = RELEASED_LAYOUTS.get(config.model_type)
+    if layout is None:
+        return F32
+    kind = next((k for pattern, k in layout if pattern.search(name)), BF16)
+    if kind == EXPERT:
+        kind = FP4 if getattr(config, "expert_dtype", "") == "fp4" else DENSE  # V3: no such field
+    if kind == DENSE:
+        kind = FP8 if config.fp8_block_size is not None else BF16
+    return kind
+
+
+def _released(
+    name: str, t: torch.Tensor, config: AnyModelConfig, names: CheckpointNames
+) -> dict[str, torch.Tensor]:
+    """Ferry's float32 tensor ``name`` as the released checkpoint stores it, by stored name:
+    the weight, and for FP8 and FP4 its E8M0 scales ``X.scale`` beside ``X.weight``."""
+    # NOTE: imported here: quant reads this module's FP4 constants
+    from ferry.services.engine.model.v41.quant import quantize_fp4, quantize_fp8_blocks
+
+    stored = names.stored_name(name)
+    kind = _stored_as(name, config)
+    if kind == FP8:
+        weight, scale = quantize_fp8_blocks(t, names.fp8_block(stored, config))
+    elif kind == FP4:
+        weight, scale = quantize_fp4(t)
+    else:
+        return {stored: t.bfloat16() if kind == BF16 else t}
+    return {stored: weight, stored.removesuffix(".weight") + E8M0_SCALE: scale}
+
+
+def _on_grid(
+    name: str, t: torch.Tensor, config: AnyModelConfig, names: CheckpointNames
+) -> torch.Tensor:
+    """``t`` as loading its released form gives it back: float32 values that form holds
+    exactly, so exporting them and loading the export changes nothing."""
+    stored = _released(name, t, config, names)
+    weight = stored.pop(names.stored_name(name))
+    if not stored:
+        return weight.to(t.dtype)
+    ((scale_name, scale),) = stored.items()
+    if weight.dtype in FP8_DTYPES:
+        block = names.fp8_block(names.stored_name(name), config)
+        return dequantize_fp8(weight, scale, block, scale_name, f"preset weight {name}")
+    return dequantize_fp4(weight, scale, scale_name, f"preset weight {name}")

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from ferry.services.engine.model.config import ConfigError
 from ferry.services.engine.model.v3.config import ModelConfig
 from ferry.services.engine.model.v4.config import V4ModelConfig
+from ferry.services.engine.model.v41.config import V41ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
     from ferry.services.engine.model.causal_lm import MoECausalLM
 
-AnyModelConfig = ModelConfig | V4ModelConfig
+AnyModelConfig = ModelConfig | V4ModelConfig | V41ModelConfig
 
 
 class CheckpointNames(Protocol):
@@ -46,6 +47,10 @@ class CheckpointNames(Protocol):
 
     def stored_name(self, name: str) -> str:
         """The name the family's published checkpoints give one of Ferry's tensors."""
+        ...
+
+    def fp8_block(self, name: str, c: Any) -> tuple[int, int]:
+        """The [rows, cols] block of one scale of the stored FP8 tensor ``name``."""
         ...
 
 
@@ -77,16 +82,8 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family(ModelConfig, "v3", "DeepseekV3ForCausalLM"),
         Family(V4ModelConfig, "v4", "DeepseekV4ForCausalLM"),
+        Family(V41ModelConfig, "v41", "DeepseekV41ForCausalLM"),
     )
-}
-
-# model_types that Ferry knows and refuses, with the reason
-NOT_SERVED: dict[str, str] = {
-    "deepseek_v41": (
-        "DeepSeek-V4.1 (model_type deepseek_v41) is not served: it is a different architecture "
-        "from V4 (encoder-decoder layers, KV shared across layers, n-gram tables) and no "
-        "installable transformers implements it to check it against"
-    ),
 }
 
 
@@ -97,8 +94,8 @@ def family_of(config: AnyModelConfig) -> Family:
 def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> AnyModelConfig:
     """The config of any model Ferry runs, read by its family's class (by ``model_type``)."""
     model_type = d.get("model_type")
-    if model_type in NOT_SERVED:
-        raise ConfigError(f"{source}: {NOT_SERVED[model_type]}")
+    if model_type is None and V41ModelConfig.is_reference_form(d):
+        model_type = V41ModelConfig.model_type  # DeepSeek's flat inference/config.json
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         runs = ", ".join(repr(t) for t in FAMILIES)

@@ -94,3 +94,8 @@ def ferry_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
 
 def stored_name(name: str) -> str:
     return name
+
+
+def fp8_block(name: str, c: ModelConfig) -> tuple[int, int]:
+    """Every FP8 tensor's scale covers one block of the config's size (DeepSeek's 128x128)."""
+    return c.fp8_block_size or (128, 128)

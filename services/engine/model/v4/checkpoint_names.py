@@ -211,3 +211,8 @@ def _moe_shapes(c: V4ModelConfig, layer: int, p: str) -> dict[str, Shape]:
         s.update({f"{p}experts.{e}.{k}.weight": v for k, v in mlp.items()})
     s.update({f"{p}shared_experts.{k}.weight": v for k, v in mlp.items()})
     return s
+
+
+def fp8_block(name: str, c: V4ModelConfig) -> tuple[int, int]:
+    """Every FP8 tensor's scale covers one block of the config's size (DeepSeek's 128x128)."""
+    return c.fp8_block_size or (128, 128)

@@ -15,27 +15,12 @@ import torch
 from torch import nn
 
 from ferry import kernels as ops
+from ferry.services.engine.model.mhc import V4RMSNorm
 from ferry.services.engine.model.rope import V4Rope
 from ferry.services.engine.model.v4.config import V4ModelConfig
 from ferry.services.engine.model.v4.kv_cache import CompressorCache, Paged, Ring
 
 NEG_INF = float("-inf")
-
-
-class V4RMSNorm(nn.Module):
-    """RMSNorm whose weight multiplies in float32 before the cast back (V4's; V3's casts
-    first). ``weight=False``: no weight (the per-head query norm, the mHC input norm)."""
-
-    def __init__(self, dim: int, eps: float, weight: bool = True) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim)) if weight else None
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inv = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + self.eps)
-        if self.weight is None:
-            return x * inv.to(x.dtype)
-        return (self.weight * (x.float() * inv)).to(x.dtype)
 
 
 @dataclass(frozen=True)

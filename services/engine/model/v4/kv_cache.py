@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
+from ferry.services.engine.model.state_cache import StateCache
 from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
 
 
@@ -148,7 +149,7 @@ class LayerCache:
             snaps[snapshot].copy_(ring[slot])
 
 
-class V4KVCache:
+class V4KVCache(StateCache):
     def __init__(
         self,
         config: V4ModelConfig,
@@ -160,74 +161,16 @@ class V4KVCache:
         num_snapshots: int = 0,
     ) -> None:
         spec = v4_cache_spec(config)
-        spec.block_size(block_size)  # whole entries per block, or a clear error
-        self.config, self.block_size, self.num_slots = config, block_size, num_slots
-        self.num_blocks = num_blocks
-        itemsize = dtype.itemsize
-        self.blocks = torch.zeros(
-            num_blocks, spec.bytes_per_block(block_size, itemsize), dtype=torch.uint8, device=device
-        )
-        self.tensors: dict[str, torch.Tensor] = {}
-        # the blocks as elements of ``dtype``, and where each group's layer 0 starts in a block
-        self.flat = self.blocks.view(dtype).view(-1)
-        self.block_elems = self.blocks.shape[1] // itemsize
-        self.group_offsets: dict[str, int] = {}
-        at = 0
-        for g in spec.groups:
-            entries = block_size // g.tokens_per_entry
-            size = g.bytes_per_block(block_size, itemsize)
-            part = self.blocks[:, at : at + size].view(dtype)
-            self.tensors[g.name] = part.view(num_blocks, g.num_layers, entries, g.dim).transpose(
-                0, 1
-            )
-            self.group_offsets[g.name] = at // itemsize
-            at += size
-        self.rings = [r.name for r in spec.rings]
-        self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
-        for r in spec.rings:
-            shape = (r.num_layers, num_slots, r.rows, r.dim)
-            self.tensors[r.name] = torch.zeros(shape, dtype=dtype, device=device)
-            if r.at_boundary:
-                shape = (r.num_layers, num_snapshots, r.rows, r.dim)
-                self.tensors["snap_" + r.name] = torch.zeros(shape, dtype=dtype, device=device)
+        super().__init__(spec, num_blocks, block_size, num_slots, dtype, device, num_snapshots)
+        self.config = config
         self._csa = {layer: i for i, layer in enumerate(config.layer_ids(CSA))}
         self._hca = {layer: i for i, layer in enumerate(config.layer_ids(HCA))}
         # the views each layer reads, made once: the tensors never move
         decode = self.decode_layers(self.graph_inputs())
         self.layers = [self._layer(i, decode[i]) for i in range(config.num_hidden_layers)]
 
-    @property
-    def transfer(self) -> torch.Tensor:
-        """The blocks as KV transports move them: [1, num_blocks, 1, block bytes] uint8."""
-        return self.blocks[None, :, None, :]
-
-    def save_state(self, slot: int, block_ids: list[int]) -> None:
-        """Pack ``slot``'s rings into the blocks ``block_ids`` (``CacheSpec.state_blocks``)."""
-        packed = torch.cat(
-            [self.tensors[n][:, slot].reshape(-1).view(torch.uint8) for n in self.rings]
-        )
-        out = self.blocks.new_zeros(len(block_ids), self.blocks.shape[1])
-        out.view(-1)[: packed.numel()] = packed
-        self.blocks[torch.tensor(block_ids, device=self.blocks.device)] = out
-
-    def load_state(self, block_ids: list[int], slot: int) -> None:
-        """Unpack rings that :meth:`save_state` packed into ``block_ids`` into ``slot``."""
-        packed = self.blocks[torch.tensor(block_ids, device=self.blocks.device)].view(-1)
-        at = 0
-        for name in self.rings:
-            ring = self.tensors[name][:, slot]  # [layers, rows, dim]
-            size = ring.numel() * ring.element_size()
-            ring.copy_(packed[at : at + size].view(ring.dtype).view(ring.shape))
-            at += size
-
     def layer(self, layer_id: int) -> LayerCache:
         return self.layers[layer_id]
-
-    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
-        """What a decode graph reads and writes: the blocks as elements (``flat``), then each
-        ring (``rings``' order) as rows [layers * slots * rows, dim]."""
-        rings = (self.tensors[n] for n in self.rings)
-        return (self.flat, *(r.view(-1, r.shape[-1]) for r in rings))
 
     def decode_layers(self, inputs: tuple[torch.Tensor, ...]) -> list[DecodeLayerCache]:
         """Every layer's ``DecodeLayerCache`` over ``inputs`` (``graph_inputs``' tensors, or a
@@ -269,13 +212,3 @@ class V4KVCache:
         rings = [("swa", layer_id), *((p[1], p[2]) for p in parts if p is not None)]
         pairs = tuple((t[n][i], t["snap_" + n][i]) for n, i in rings if n in self.snapshot_rings)
         return LayerCache(t["swa"][layer_id], compressor, indexer, pairs, decode)
-
-    def save(self, slot: int, snapshot: int) -> None:
-        """Copy ``slot``'s rings into ``snapshot``, every layer (``LayerCache.save``'s)."""
-        for name in self.snapshot_rings:
-            self.tensors["snap_" + name][:, snapshot].copy_(self.tensors[name][:, slot])
-
-    def restore(self, snapshot: int, slot: int) -> None:
-        """Continue ``slot`` from ``snapshot``: copy its rings back, every layer."""
-        for name in self.snapshot_rings:
-            self.tensors[name][:, slot].copy_(self.tensors["snap_" + name][:, snapshot])

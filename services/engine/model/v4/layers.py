@@ -15,8 +15,6 @@ decode tokens run as one batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +22,7 @@ from torch import nn
 from ferry import kernels as ops
 from ferry.kernels.moe_routing.reference import expert_scores
 from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.mhc import GroupedLinear, V4RMSNorm
 from ferry.services.engine.model.moe import MLP, HashRouter, MoE, Router
 from ferry.services.engine.model.rope import V4Rope
 from ferry.services.engine.model.v4.compressors import (
@@ -33,66 +32,13 @@ from ferry.services.engine.model.v4.compressors import (
     HCACompressor,
     Sequence,
     V4Batch,
-    V4RMSNorm,
     ring_keep,
     ring_rows,
 )
 from ferry.services.engine.model.v4.config import CSA, HCA, V4ModelConfig
 from ferry.services.engine.model.v4.kv_cache import DecodeLayerCache, LayerCache
 
-# ---- mHC ----------------------------------------------------------------------------------
-
-
-class HyperConnection(nn.Module):
-    """Mixes the ``hc_mult`` residual streams around one sublayer: ``pre`` collapses them into
-    the sublayer's input, ``post`` spreads its output back, ``comb`` (made doubly stochastic by
-    Sinkhorn) mixes the streams themselves. Kept in float32."""
-
-    def __init__(self, config: V4ModelConfig) -> None:
-        super().__init__()
-        hc = config.hc_mult
-        self.hc, self.iters, self.eps = hc, config.hc_sinkhorn_iters, config.hc_eps
-        self.norm = V4RMSNorm(hc * config.hidden_size, config.rms_norm_eps, weight=False)
-        self.fn = nn.Parameter(torch.empty((2 + hc) * hc, hc * config.hidden_size))
-        self.base = nn.Parameter(torch.empty((2 + hc) * hc))
-        self.scale = nn.Parameter(torch.empty(3))
-        # the same ``mix`` as one fused kernel, where the engine compiled it (piece_graphs.py)
-        self.compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams: [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], collapsed [T, hidden])."""
-        if self.compiled is not None:
-            return self.compiled(streams, self.fn, self.base, self.scale)
-        return self.mix(streams, self.fn, self.base, self.scale)
-
-    def mix(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``forward`` with the weights as arguments: one compiled graph serves every layer."""
-        hc = self.hc
-        mixes = F.linear(self.norm(streams.flatten(1).float()), fn.float())
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc)
-        comb = comb.softmax(dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
-
-    @staticmethod
-    def expand(
-        streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-    ) -> torch.Tensor:
-        """The new streams: post ⊗ out + combᵀ · streams."""
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+# ---- mHC ------------------------------------------------------------------------------------
 
 
 class HyperHead(nn.Module):
@@ -114,20 +60,6 @@ class HyperHead(nn.Module):
 
 
 # ---- attention ------------------------------------------------------------------------------
-
-
-class GroupedLinear(nn.Linear):
-    """Block-diagonal projection: the input splits into ``groups`` equal parts, each projected
-    by its own rows of ``weight`` ([groups * out_per_group, in_per_group])."""
-
-    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
-        super().__init__(in_per_group, out_features, bias=False)
-        self.groups = groups
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, groups, in_per_group] -> [T, groups * out_per_group]."""
-        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).flatten(1)
 
 
 class V4Attention(nn.Module):

@@ -12,8 +12,9 @@ from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
 from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch, GraphStep
+from ferry.services.engine.model.mhc import HyperConnection, V4RMSNorm
 from ferry.services.engine.model.rope import V4Rope
-from ferry.services.engine.model.v4.compressors import DecodeStep, Sequence, V4Batch, V4RMSNorm
+from ferry.services.engine.model.v4.compressors import DecodeStep, Sequence, V4Batch
 from ferry.services.engine.model.v4.config import V4ModelConfig
 from ferry.services.engine.model.v4.kv_cache import (
     DecodeLayerCache,
@@ -21,7 +22,7 @@ from ferry.services.engine.model.v4.kv_cache import (
     V4KVCache,
     v4_cache_spec,
 )
-from ferry.services.engine.model.v4.layers import HyperConnection, HyperHead, V4Attention, V4MoE
+from ferry.services.engine.model.v4.layers import HyperHead, V4Attention, V4MoE
 
 # Parameters kept in float32 whatever the model's dtype, as transformers keeps them (its
 # `_keep_in_fp32_modules_strict`): a parameter whose dotted name holds one of these parts.

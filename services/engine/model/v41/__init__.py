@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1 (model_type deepseek_v41)."""

@@ -1,0 +1,155 @@
+"""DeepSeek-V4.1's cache, by groups (see cache_spec.py for what a group and a ring are).
+
+Paged, on the kv sources only (the other layers read their source's), one entry per ``ratio``
+tokens: ``kv_r2`` / ``kv_r1`` (the compressed entries, rotated) and ``index_r2`` / ``index_r1``
+(the indexer's keys). Rings, per request: ``swa`` (the window of every layer and DSpark stage,
+rotated K = V rows), ``compressor_rows`` (a ratio-2 source's kv | score rows of its unfinished
+pair, empty at every even position, so at every block boundary) and ``engram_ids`` (Engram's
+look-back: the compressed ids of the last tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
+from ferry.services.engine.model.state_cache import StateCache
+from ferry.services.engine.model.v41.config import V41ModelConfig
+from ferry.services.engine.model.v41.layers import History
+
+
+def v41_cache_spec(c: V41ModelConfig) -> CacheSpec:
+    sources = {r: [s for s in c.kv_source_layer_ids if c.ratio(s) == r] for r in (2, 1)}
+    d, di = c.head_dim, c.index_head_dim
+    groups = [PagedGroup(f"kv_r{r}", len(ids), r, d) for r, ids in sources.items()]
+    groups += [PagedGroup(f"index_r{r}", len(ids), r, di) for r, ids in sources.items()]
+    layers = c.num_hidden_layers + c.num_nextn_predict_layers
+    rings = [
+        StateRing("swa", layers, c.sliding_window, d),
+        StateRing("compressor_rows", len(sources[2]), 2, 2 * d, at_boundary=False),
+    ]
+    if c.engram_layer_ids:
+        lookback = c.engram_max_ngram_size - 1
+        rings.append(StateRing("engram_ids", 1, lookback, 1, token_ids=True))
+    return CacheSpec(
+        groups=tuple(g for g in groups if g.num_layers),
+        rings=tuple(r for r in rings if r.num_layers),
+    )
+
+
+class V41KVCache(StateCache):
+    """The tensors of ``v41_cache_spec``; ``history`` gives one sequence's view of them."""
+
+    def __init__(
+        self,
+        config: V41ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_snapshots: int = 0,
+    ) -> None:
+        spec = v41_cache_spec(config)
+        super().__init__(spec, num_blocks, block_size, num_slots, dtype, device, num_snapshots)
+        self.config = config
+        # each kv source's row in its ratio's groups, and a ratio-2 source's in the open rows
+        self.source_row = {}
+        for r in (2, 1):
+            ids = [s for s in config.kv_source_layer_ids if config.ratio(s) == r]
+            self.source_row.update({s: i for i, s in enumerate(ids)})
+
+    def history(self, slot: int, block_ids: torch.Tensor, length: int) -> PagedHistory:
+        return PagedHistory(self, slot, block_ids, length)
+
+
+class PagedHistory(History):
+    """One sequence's history in the engine's cache: its compressed entries and index keys in
+    its blocks (entry e of a ratio-r group in block ``block_ids[e // (block_size / r)]``), its
+    windows, open rows and Engram look-back in its state slot, each row ``p`` at ``p % rows``.
+    A slot's rows from an earlier request are never read: ``length`` says what is there."""
+
+    def __init__(self, cache: V41KVCache, slot: int, block_ids: torch.Tensor, length: int) -> None:
+        self.cache, self.slot, self.blocks, self.length = cache, slot, block_ids, length
+        self.config = cache.config
+        self._added: dict[int, int] = {}  # entries this chunk wrote, per source
+
+    def _ring(self, name: str, layer: int) -> torch.Tensor:
+        return self.cache.tensors[name][layer, self.slot]  # [rows, dim]
+
+    def window(self, layer: int) -> torch.Tensor | None:
+        if not self.length:
+            return None
+        ring = self._ring("swa", layer)
+        w = ring.shape[0]
+        positions = torch.arange(max(0, self.length - w), self.length)
+        return ring[positions % w]
+
+    def keep_window(self, layer: int, rows: torch.Tensor) -> None:
+        # the rows end at the chunk's last token: positions end - len(rows) .. end - 1
+        ring = self._ring("swa", layer)
+        end = self.length + self._chunk_tokens
+        positions = torch.arange(end - len(rows), end)
+        ring[positions % ring.shape[0]] = rows.to(ring.dtype)
+
+    def _group(self, kind: str, source: int) -> torch.Tensor:
+        """The source's entries of group ``kind`` (kv / index) in every block: [blocks, per
+        block, dim]."""
+        r = self.config.ratio(source)
+        return self.cache.tensors[f"{kind}_r{r}"][self.cache.source_row[source]]
+
+    def _locate(self, source: int, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_block = self.cache.block_size // self.config.ratio(source)
+        return self.blocks[entries // per_block], entries % per_block
+
+    def _count(self, source: int) -> int:
+        return self.length // self.config.ratio(source) + self._added.get(source, 0)
+
+    def entries(self, source: int) -> torch.Tensor | None:
+        return self._read("kv", source)
+
+    def index_keys(self, source: int) -> torch.Tensor:
+        return self._read("index", source)
+
+    def _read(self, kind: str, source: int) -> torch.Tensor:
+        block, at = self._locate(source, torch.arange(self._count(source)))
+        return self._group(kind, source)[block, at]
+
+    def add_entries(self, source: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
+        n = self._count(source)
+        block, at = self._locate(source, torch.arange(n, n + len(entries)))
+        for kind, new in (("kv", entries), ("index", keys)):
+            group = self._group(kind, source)
+            group[block, at] = new.to(group.dtype)
+        self._added[source] = self._added.get(source, 0) + len(entries)
+
+    def open_rows(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        r = self.config.ratio(source)
+        left = self.length % r
+        if not left:
+            return None
+        ring = self._ring("compressor_rows", self.cache.source_row[source])
+        rows = ring[torch.arange(self.length - left, self.length) % r].float()
+        kv, score = rows.chunk(2, dim=-1)
+        return kv, score
+
+    def keep_open_rows(self, source: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        if not len(kv):
+            return
+        r = self.config.ratio(source)
+        ring = self._ring("compressor_rows", self.cache.source_row[source])
+        end = self.length + self._chunk_tokens
+        positions = torch.arange(end - len(kv), end)
+        ring[positions % r] = torch.cat([kv, score], dim=-1).to(ring.dtype)
+
+    def engram_lookback(self) -> torch.Tensor | None:
+        if not self.length:
+            return None
+        return self._ring("engram_ids", 0)[:, 0].clone()
+
+    def keep_engram_lookback(self, ids: torch.Tensor) -> None:
+        self._ring("engram_ids", 0)[:, 0] = ids
+
+    def end(self) -> None:
+        super().end()
+        self._added = {}

@@ -1,0 +1,201 @@
+"""The DeepSeek-V4.1 decoder (V4.1-Flash): 4 residual streams mixed by mHC, each sublayer's input
+collapsed with the pre-mix its predecessor computed, Engram updates before a few layers, and no
+learned hyper-head: the last layer's FFN pre-mix collapses the streams for the final norm and
+the head."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ferry.services.engine.experts import ExpertPlacement
+from ferry.services.engine.model.cache_spec import CacheSpec
+from ferry.services.engine.model.causal_lm import MoECausalLM
+from ferry.services.engine.model.config import ConfigError
+from ferry.services.engine.model.forward_batch import AttentionPath, ForwardBatch
+from ferry.services.engine.model.mhc import HyperConnection, V4RMSNorm
+from ferry.services.engine.model.rope import V4Rope
+from ferry.services.engine.model.v41.config import V41ModelConfig
+from ferry.services.engine.model.v41.engram import EngramHash, EngramLayer, EngramParams
+from ferry.services.engine.model.v41.kv_cache import V41KVCache, v41_cache_spec
+from ferry.services.engine.model.v41.layers import (
+    Chunk,
+    History,
+    Published,
+    Trace,
+    V41Attention,
+    V41HyperConnection,
+    V41MoE,
+)
+
+# Parameters kept in float32 whatever the model's dtype, as the reference keeps them
+KEEP_FP32 = ("attn_hc", "ffn_hc", "sinks", "e_score_correction_bias")
+
+
+class V41DecoderLayer(nn.Module):
+    def __init__(self, config: V41ModelConfig, layer_id: int, placement: ExpertPlacement) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.layer_id = layer_id
+        self.attn_hc = V41HyperConnection(config)
+        self.ffn_hc = V41HyperConnection(config)
+        self.input_layernorm = V4RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = V4RMSNorm(config.hidden_size, eps)
+        self.self_attn = V41Attention(config, layer_id)
+        self.mlp = V41MoE(config, layer_id, placement)
+        self.engram = (
+            EngramLayer(engram_params(config), layer_id)
+            if layer_id in config.engram_layer_ids
+            else None
+        )
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre_mix: torch.Tensor,
+        chunk: Chunk,
+        state: History,
+        published: Published,
+        trace: Trace | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, hc, hidden], pre_mix [T, hc] (the previous layer's FFN pre-mix) -> the
+        streams after attention and MoE, and this layer's FFN pre-mix for the next one."""
+        attn_pre, post, comb = self.attn_hc.coefficients(streams)
+        x = self.input_layernorm(V41HyperConnection.collapse(streams, pre_mix))
+        x = self.self_attn(x, chunk, state, published, trace)
+        streams = HyperConnection.expand(streams, x, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
+        h = self.post_attention_layernorm(V41HyperConnection.collapse(streams, attn_pre))
+        weights, ids = self.mlp.route(h, None)
+        if self.mlp.expert_load is not None:
+            self.mlp.expert_load.add(self.mlp.moe_layer, ids)
+        if trace is not None:
+            trace.experts[self.layer_id] = ids.sort(dim=-1).values
+        x = self.mlp.apply_experts(h, weights, ids)
+        return HyperConnection.expand(streams, x, post, comb), ffn_pre
+
+
+class DeepseekV41Model(nn.Module):
+    def __init__(self, config: V41ModelConfig, placement: ExpertPlacement) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            V41DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers)
+        )
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(MoECausalLM):
+    """``forward`` runs the engine's batch over its cache; ``forward_chunk`` one sequence's
+    next tokens after what its ``History`` holds (the engine's cache, or a ``SequenceState``);
+    ``compute_logits`` turns final hidden states into float32 logits. Engram needs the
+    tokenizer's compressed token map, read with the weights (``attach_checkpoint_files``)."""
+
+    config: V41ModelConfig
+    keep_fp32 = KEEP_FP32
+    attention_path: AttentionPath = "expanded"  # one path for every sequence, decode included
+
+    def __init__(self, config: V41ModelConfig, placement: ExpertPlacement | None = None) -> None:
+        super().__init__(config, placement)
+        self.model = DeepseekV41Model(config, self.placement)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = V4Rope(config)  # type: ignore[arg-type]
+        self.hasher: EngramHash | None = None
+
+    def decoder_layers(self) -> Iterable[nn.Module]:
+        return iter(self.model.layers)
+
+    def cache_spec(self) -> CacheSpec:
+        return v41_cache_spec(self.config)
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, num_slots: int, num_snapshots: int = 0
+    ) -> V41KVCache:
+        return V41KVCache(
+            self.config, num_blocks, block_size, num_slots, self.dtype, self.device, num_snapshots
+        )
+
+    def kv_blocks(self, kv_cache: V41KVCache) -> torch.Tensor:
+        return kv_cache.transfer
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: V41KVCache
+    ) -> torch.Tensor:
+        """input_ids [num_tokens]: each sequence of ``batch`` continues from its blocks and
+        state slot, one after another; a chunk splits where the prefix cache keeps a snapshot
+        of the slot. Returns the final hidden states [num_tokens, hidden]."""
+        if batch.decode is not None:
+            raise ValueError("DeepSeek-V4.1 runs every sequence on the expanded path")
+        out = []
+        for span in batch.prefill:
+            if span.state_slot < 0:
+                raise ValueError("a DeepSeek-V4.1 sequence needs a state slot")
+            n = span.q_end - span.q_start
+            history = kv_cache.history(span.state_slot, span.block_ids, span.ctx_len - n)
+            at = span.q_start
+            for position, snapshot in sorted(span.snapshots):
+                upto = span.q_start + position - (span.ctx_len - n)
+                if upto > at:
+                    out.append(self.forward_chunk(input_ids[at:upto], history))
+                    at = upto
+                kv_cache.save(span.state_slot, snapshot)
+            if at < span.q_end:
+                out.append(self.forward_chunk(input_ids[at : span.q_end], history))
+        return torch.cat(out)
+
+    def attach_checkpoint_files(self, path: Path) -> None:
+        """Engram's compressed token map comes from the checkpoint's tokenizer.json."""
+        if not self.config.engram_layer_ids:
+            return
+        tokenizer = path / "tokenizer.json"
+        if not tokenizer.exists():
+            raise ConfigError(f"{path}: DeepSeek-V4.1's Engram needs its tokenizer.json")
+        hasher = EngramHash.from_tokenizer(engram_params(self.config), tokenizer)
+        self.hasher = hasher.to(self.device)
+
+    def forward_chunk(
+        self, input_ids: torch.Tensor, state: History, trace: Trace | None = None
+    ) -> torch.Tensor:
+        """input_ids [T]: the sequence's tokens at ``state.length`` onwards. Returns the final
+        hidden states [T, hidden]; ``state`` then holds them too."""
+        c = self.config
+        start = state.length
+        state.begin(len(input_ids))
+        positions = torch.arange(start, start + len(input_ids), device=input_ids.device)
+        chunk = Chunk(positions, self.rope)
+        hashes = None
+        if c.engram_layer_ids:
+            if self.hasher is None:
+                raise RuntimeError("DeepSeek-V4.1's Engram needs the tokenizer: load a checkpoint")
+            lookback = state.engram_lookback()
+            if lookback is None:
+                lookback = self.hasher.start_lookback()
+            hashes, lookback = self.hasher.extend(lookback, input_ids)
+            state.keep_engram_lookback(lookback)
+        streams = self.model.embed_tokens(input_ids)[:, None, :]
+        streams = streams.expand(-1, c.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=input_ids.device)
+        pre_mix[:, 0] = 1.0  # the first sublayer takes stream 0
+        published = Published()
+        layer: V41DecoderLayer
+        for layer in self.model.layers:  # type: ignore[assignment]
+            if layer.engram is not None:
+                assert hashes is not None
+                streams = layer.engram(streams, hashes[:, layer.engram.hash_index])
+            streams, pre_mix = layer(streams, pre_mix, chunk, state, published, trace)
+            if trace is not None:
+                trace.block_out[layer.layer_id] = streams
+        state.end()
+        return self.model.norm(V41HyperConnection.collapse(streams, pre_mix))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
+
+
+def engram_params(c: V41ModelConfig) -> EngramParams:
+    names = {f.name for f in dataclasses.fields(EngramParams)}
+    return EngramParams(**{n: getattr(c, n) for n in names})
