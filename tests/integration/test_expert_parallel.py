@@ -9,6 +9,7 @@ first two MoE layers route by token id: each rank routes its own tokens before t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -83,9 +84,12 @@ def _rank(rank: int, size: int, master: str, redundant: int, name: str) -> None:
 
 
 def _thread_names() -> list[str]:
-    return [
-        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
-    ]
+    """The names of this process's live threads (one that ends while listed is left out)."""
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):
+            names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+    return names
 
 
 @pytest.mark.parametrize(
