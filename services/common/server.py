@@ -65,9 +65,9 @@ class RegisteredService(Service):
         )
         self._report_load = load
 
-    async def start(self, address: str, metrics_port: int) -> None:
-        """Register; a subclass starts its background tasks after this."""
-        record = WorkerRecord(
+    def record(self, address: str, metrics_port: int) -> WorkerRecord:
+        """What the registry says of this service (an engine worker adds its engine's)."""
+        return WorkerRecord(
             worker_id=self.worker_id,
             role=self.role,
             address=address,
@@ -75,7 +75,10 @@ class RegisteredService(Service):
             pid=os.getpid(),
             started_at=time.time(),
         )
-        await self.cluster.register(record, self._report_load)
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        """Register; a subclass starts its background tasks after this."""
+        await self.cluster.register(self.record(address, metrics_port), self._report_load)
 
     async def drain(self) -> None:
         await self.cluster.deregister()

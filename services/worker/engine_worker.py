@@ -19,7 +19,6 @@ import torch
 
 from ferry.protos import common_pb2, eplb_pb2_grpc
 from ferry.services.common.cluster_state import (
-    ClusterState,
     ClusterStateError,
     ExpertLoadReport,
     KvEvents,
@@ -28,7 +27,7 @@ from ferry.services.common.cluster_state import (
 )
 from ferry.services.common.log import get_logger
 from ferry.services.common.os_thread import lower_priority
-from ferry.services.common.server import Service
+from ferry.services.common.server import RegisteredService
 from ferry.services.engine.async_engine import AsyncEngine
 from ferry.services.engine.engine import Engine
 from ferry.services.engine.expert_parallel import EPGroup
@@ -50,8 +49,9 @@ LEAVE_MARGIN_S = 10.0  # a worker that leaves exits at most this long after its 
 KV_EVENT_ROLES = ("prefill", "aggregated")  # the workers requests start on
 
 
-class EngineWorker(Service):
-    """A gRPC service around one AsyncEngine that registers itself and its load in Redis."""
+class EngineWorker(RegisteredService):
+    """A gRPC service around one AsyncEngine, registered in Redis with its engine's facts and
+    its load."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -59,11 +59,9 @@ class EngineWorker(Service):
         lower_priority(config.nice)  # before the engine's threads start: they inherit it
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.worker_id = config.service.name_for(self.role)
+        super().__init__(config.service, self.load_report)
         self.engine = AsyncEngine(functools.partial(self._engine, config))  # built on its thread
         ENGINES.add(self.worker_id, self.engine)
-        svc = config.service
-        self.cluster = ClusterState(svc.redis_url, svc.cluster, svc.heartbeat_s, svc.ttl_s)
         self.kv_address = ""
         self._active: set[str] = set()  # the requests this worker's RPCs are serving
         self._watch: asyncio.Task[None] | None = None
@@ -112,12 +110,10 @@ class EngineWorker(Service):
             info.model_fingerprint, info.dtype, info.block_size, info.cache_spec
         )
 
-    async def start(self, address: str, metrics_port: int) -> None:
+    def record(self, address: str, metrics_port: int) -> WorkerRecord:
         info = self.engine.info
-        record = WorkerRecord(
-            worker_id=self.worker_id,
-            role=self.role,
-            address=address,
+        return dataclasses.replace(
+            super().record(address, metrics_port),
             kv_address=self.kv_address,
             kv_transport=self.config.kv_transport,
             model=self.config.engine.model,
@@ -125,13 +121,12 @@ class EngineWorker(Service):
             max_model_len=info.max_model_len,
             block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks,
-            metrics_port=metrics_port,
-            pid=os.getpid(),
-            started_at=time.time(),
             dep_group=self.dep_group,
             dep_rank=self.config.dep_rank if self.dep_group else -1,
         )
-        await self.cluster.register(record, self.load_report)
+
+    async def start(self, address: str, metrics_port: int) -> None:
+        await super().start(address, metrics_port)
         self._watch = asyncio.create_task(self._watch_health())
         self._publish = asyncio.create_task(self._publish_expert_load())
         if self.role in KV_EVENT_ROLES:
@@ -230,6 +225,7 @@ class EngineWorker(Service):
         )
 
     async def drain(self) -> None:
+        """Stay registered, as draining, until the in-flight calls end (not deregistered)."""
         await self.cluster.drain()
 
     async def close(self) -> None:
@@ -237,7 +233,7 @@ class EngineWorker(Service):
         for task in (self._watch, self._publish, self._kv_events):
             if task is not None:
                 task.cancel()
-        await self.cluster.close()
+        await super().close()
         ENGINES.remove(self.worker_id)
         self.engine.shutdown()
         stop_service_threads()
