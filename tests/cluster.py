@@ -309,6 +309,21 @@ async def generate(
         return res
 
 
+def generate_twice(c: Cluster, prompt: list[int], tokens: int) -> list[tuple[list[int], int]]:
+    """``prompt`` through the scheduler twice, one after the other, greedy: each time's
+    (token ids, cached prompt tokens)."""
+
+    async def twice() -> list[tuple[list[int], int]]:
+        out = []
+        for _ in range(2):
+            r = await generate(c.scheduler, prompt, greedy(tokens, ignore_eos=True))
+            assert r.code is None, r.details
+            out.append((r.token_ids, r.cached_tokens))
+        return out
+
+    return asyncio.run(twice())
+
+
 def cancel_mid_stream(c: Cluster, prompts: list[list[int]], role: str) -> None:
     """A long greedy stream per prompt; once each has sent 3 chunks and ``role``'s workers
     report them all running (holding KV blocks), every call is cancelled: the requests are

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from tests.cluster import Cluster, ferry_up, generate, greedy
+from tests.cluster import Cluster, ferry_up, generate, generate_twice, greedy
 
 pytestmark = pytest.mark.slow  # ~1 min: `make test-slow`
 
@@ -74,16 +74,7 @@ def test_a_repeated_prompt_hits_the_prefill_workers_snapshot(
 ) -> None:
     prompt = PROMPTS[3]
     (want,) = engine.generate([prompt], _greedy(TOKENS))
-
-    async def twice() -> list[tuple[list[int], int]]:
-        out = []
-        for _ in range(2):
-            r = await generate(cluster.scheduler, prompt, greedy(TOKENS, ignore_eos=True))
-            assert r.code is None, r.details
-            out.append((r.token_ids, r.cached_tokens))
-        return out
-
-    (first, _), (again, cached) = asyncio.run(twice())
+    (first, _), (again, cached) = generate_twice(cluster, prompt, TOKENS)
     assert first == again == want.token_ids
     assert cached == 64  # the prompt's last block boundary (block size 64) before token 72
     cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)

@@ -28,7 +28,7 @@ from ferry.services.common.convert import sampling_params_to_pb
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.worker.convert import kv_handle_to_pb
-from tests.cluster import Cluster, ferry_up, generate, greedy
+from tests.cluster import Cluster, ferry_up, generate, generate_twice, greedy
 
 pytestmark = pytest.mark.slow  # ~4 min: `make test-slow`
 
@@ -110,16 +110,7 @@ def test_a_repeated_prompt_hits_the_prefill_workers_snapshot(
     prompt's last block boundary (64 tokens of 120) and hands that on."""
     prompt = PROMPTS[3]
     (want,) = engine.generate([prompt], _greedy(TOKENS))
-
-    async def twice() -> list[tuple[list[int], int]]:
-        out = []
-        for _ in range(2):
-            r = await generate(cluster.scheduler, prompt, greedy(TOKENS, ignore_eos=True))
-            assert r.code is None, r.details
-            out.append((r.token_ids, r.cached_tokens))
-        return out
-
-    (first, _), (again, cached) = asyncio.run(twice())
+    (first, _), (again, cached) = generate_twice(cluster, prompt, TOKENS)
     assert first == again == want.token_ids
     assert cached == 64
     cluster.wait_for("every KV block and state slot free", cluster.all_blocks_free, 10)

@@ -33,6 +33,8 @@ from ferry.services.engine.model.moe import MLP, MoE, Router
 from ferry.services.engine.model.rope import V4Rope
 from ferry.services.engine.model.v41.config import V41ModelConfig
 
+NEG = -torch.inf
+
 # ---- one sequence's history -------------------------------------------------------------------
 
 
@@ -310,30 +312,23 @@ class V41Attention(nn.Module):
         q = chunk.rotate(q, chunk.positions, self.table)
         kv = chunk.rotate(self.kv_norm(self.kv_proj(x)), chunk.positions, self.table)
         keys, mask = self._window(kv, chunk, state)
+        qf = q.float()
+        # window rows, shared by every query [rows, head_dim]; chosen entries, a set per query
+        # [T, k, head_dim]: scored apart, one softmax over both and the sink
+        scores = [torch.einsum("thd,kd->thk", qf, keys.float()).masked_fill(~mask[:, None], NEG)]
         if self.ratio:
             entries, chosen = self._compressed(x, q_latent, chunk, state, published, trace)
-            padded = torch.cat([entries, entries.new_zeros(1, entries.shape[1])])
-            picked = padded[chosen.where(chosen >= 0, len(entries))]  # [T, k, head_dim]
-            scores = torch.cat(
-                [
-                    torch.einsum("thd,kd->thk", q.float(), keys.float()).masked_fill(
-                        ~mask[:, None, :], -torch.inf
-                    ),
-                    torch.einsum("thd,tkd->thk", q.float(), picked.float()).masked_fill(
-                        (chosen < 0)[:, None, :], -torch.inf
-                    ),
-                ],
-                dim=-1,
-            )
-            values = torch.cat([keys[None].expand(len(x), -1, -1), picked], dim=1)
-        else:
-            scores = torch.einsum("thd,kd->thk", q.float(), keys.float())
-            scores = scores.masked_fill(~mask[:, None, :], -torch.inf)
-            values = keys[None].expand(len(x), -1, -1)
-        scores = scores * self.scale
+            padded = torch.cat([entries, entries.new_zeros(1, entries.shape[1])]).float()
+            picked = padded[chosen.where(chosen >= 0, len(entries))]
+            picked_scores = torch.einsum("thd,tkd->thk", qf, picked)
+            scores.append(picked_scores.masked_fill((chosen < 0)[:, None], NEG))
         sink = self.sinks.float()[None, :, None].expand(len(x), -1, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        out = torch.einsum("thk,tkd->thd", probs, values.float()).to(x.dtype)
+        probs = torch.cat([torch.cat(scores, dim=-1) * self.scale, sink], dim=-1).softmax(-1)
+        out = torch.einsum("thk,kd->thd", probs[..., : len(keys)], keys.float())
+        if self.ratio:
+            picked_probs = probs[..., len(keys) : len(keys) + chosen.shape[1]]
+            out = out + torch.einsum("thk,tkd->thd", picked_probs, picked)
+        out = out.to(x.dtype)
         out = chunk.rotate(out, chunk.positions, self.table, inverse=True)
         out = out.reshape(len(x), self.config.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(out))
