@@ -174,10 +174,6 @@ class Chunk:
         return V4Rope.rotate(x, cos, -sin if inverse else sin)
 
 
-def rms_norm(dim: int, eps: float) -> V4RMSNorm:
-    return V4RMSNorm(dim, eps)
-
-
 # ---- compressor and indexer -------------------------------------------------------------------
 
 
@@ -193,9 +189,9 @@ class Compressor(nn.Module):
         d = config.head_dim
         self.kv_proj = nn.Linear(config.hidden_size, d, bias=False)
         self.gate_proj = nn.Linear(config.hidden_size, d, bias=False) if self.ratio > 1 else None
-        self.kv_norm = rms_norm(d, config.rms_norm_eps)
+        self.kv_norm = V4RMSNorm(d, config.rms_norm_eps)
         self.indexer_k_proj = nn.Linear(d, config.index_head_dim, bias=False)
-        self.indexer_k_norm = rms_norm(config.index_head_dim, config.rms_norm_eps)
+        self.indexer_k_norm = V4RMSNorm(config.index_head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, layer_id: int, state: History) -> torch.Tensor:
         """x [T, hidden] (the attention's normed input) -> the new entries before RoPE
@@ -286,10 +282,10 @@ class V41Attention(nn.Module):
         self.ratio = c.ratio(layer_id)
         self.table = "compress" if self.ratio else "main"
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-        self.q_a_norm = rms_norm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_a_norm = V4RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
         self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
-        self.kv_norm = rms_norm(c.head_dim, c.rms_norm_eps)
+        self.kv_norm = V4RMSNorm(c.head_dim, c.rms_norm_eps)
         group_in = c.num_attention_heads * c.head_dim // c.o_groups
         self.o_a_proj = GroupedLinear(group_in, c.o_groups * c.o_lora_rank, c.o_groups)
         self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
@@ -387,7 +383,9 @@ class V41Attention(nn.Module):
     ) -> torch.Tensor:
         c, r, layer = self.config, self.ratio, self.layer_id
         assert self.indexer is not None
-        keys = state.index_keys(max(s for s in c.kv_source_layer_ids if s <= layer))
+        source = c.kv_source_of(layer)  # the latest key owner at or below: same ratio
+        assert source is not None
+        keys = state.index_keys(source)
         reachable = (chunk.positions + 1) // r  # entries j < (t + 1) // r
         scores = self.indexer.scores(x, q_latent, keys, chunk)
         future = torch.arange(len(keys), device=x.device)[None, :] >= reachable[:, None]
