@@ -23,7 +23,7 @@ from ferry.infra.simulator import cli as simulator_cli
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.listeners import USAGE_ERROR, PortInUse, check_free
-from ferry.services.engine.config import EngineConfig
+from ferry.services.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from ferry.services.engine.model.presets import PRESETS
 from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.scheduler.config import SchedulerConfig
@@ -173,6 +173,7 @@ def cluster_spec(args: argparse.Namespace, worker_cores: int = 0) -> ClusterSpec
         worker += ["--num-redundant-experts", str(args.num_redundant_experts)]
     if args.router_skew:
         worker += ["--router-skew", str(args.router_skew)]
+    worker += ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.enforce_eager:
         worker += ["--enforce-eager"]
     serve_args = {
@@ -450,6 +451,13 @@ CLUSTER = Flags(
     ),
     option(
         "--router-skew", EngineConfig.router_skew, "test knob: skew expert load on random weights"
+    ),
+    option("--dtype", EngineConfig.dtype, "the workers' --dtype", choices=list(DTYPES)),
+    option(
+        "--kv-cache-dtype",
+        EngineConfig.kv_cache_dtype,
+        "the workers' --kv-cache-dtype (fp8: DeepSeek-V4.1's FP8 cache)",
+        choices=list(KV_CACHE_DTYPES),
     ),
     switch(
         "--enforce-eager",

@@ -19,7 +19,7 @@ from ferry.gateway.config import GatewayConfig
 from ferry.services.common.channels import KEEPALIVE_S
 from ferry.services.common.config import ServiceConfig
 from ferry.services.common.tls import TlsFiles
-from ferry.services.engine.config import DTYPES, EngineConfig
+from ferry.services.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from ferry.services.eplb_controller.config import EplbConfig
 from ferry.services.kv_transfer.registry import transport_names
 from ferry.services.scheduler.config import SchedulerConfig
@@ -238,7 +238,16 @@ ENGINE = Flags(
         "--model",
         "preset (tiny, small, v4-tiny, v4-small, v41-tiny, v41-small) or HF checkpoint directory",
     ),
-    Flag("--dtype", "weights and KV cache dtype", choices=list(DTYPES)),
+    Flag(
+        "--dtype",
+        "weights and activations dtype (and the KV cache's, with auto)",
+        choices=list(DTYPES),
+    ),
+    Flag(
+        "--kv-cache-dtype",
+        "KV cache storage: auto (--dtype) or fp8 (DeepSeek-V4.1: FP8 window, FP4 entries and keys)",
+        choices=list(KV_CACHE_DTYPES),
+    ),
     Flag(
         "--block-size",
         "tokens per KV block (default: the model's: 64, or a multiple of its compression ratios)",

@@ -35,12 +35,14 @@ from ferry.services.engine.model.v4.config import V4ModelConfig
 from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 from ferry.services.engine.model.v41.config import V41ModelConfig
 from ferry.services.engine.model.v41.kv_cache import v41_cache_spec
+from ferry.services.engine.model.v41.quant import CacheFormat
 
-# the full-size models the presets stand for (shapes only): DeepSeek-V3 and V4-Flash, bf16
+# the full-size models the presets stand for (shapes only): bf16 caches, and V4.1's FP8 one
 FULL_SIZE = {
     "deepseek-v3 (bf16)": CacheSpec((PagedGroup("latent", 61, 1, 512 + 64),)),
     "deepseek-v4-flash (bf16)": v4_cache_spec(DEEPSEEK_V4_FLASH),
     "deepseek-v4.1-flash (bf16)": v41_cache_spec(DEEPSEEK_V41_FLASH),
+    "deepseek-v4.1-flash (fp8)": v41_cache_spec(DEEPSEEK_V41_FLASH, CacheFormat("fp8")),
 }
 
 

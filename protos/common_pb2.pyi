@@ -146,32 +146,36 @@ class LayoutFingerprint(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[PagedGroup, _Mapping]]] = ..., state: _Optional[_Iterable[_Union[StateRing, _Mapping]]] = ..., state_blocks: _Optional[int] = ...) -> None: ...
 
 class PagedGroup(_message.Message):
-    __slots__ = ("name", "num_layers", "tokens_per_entry", "dim")
+    __slots__ = ("name", "num_layers", "tokens_per_entry", "dim", "packed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_ENTRY_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     tokens_per_entry: int
     dim: int
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., tokens_per_entry: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., tokens_per_entry: _Optional[int] = ..., dim: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class StateRing(_message.Message):
-    __slots__ = ("name", "num_layers", "rows", "dim", "at_boundary", "token_ids")
+    __slots__ = ("name", "num_layers", "rows", "dim", "at_boundary", "token_ids", "packed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     rows: int
     dim: int
     at_boundary: bool
     token_ids: bool
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., at_boundary: _Optional[bool] = ..., token_ids: _Optional[bool] = ...) -> None: ...
+    packed: bool
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., at_boundary: _Optional[bool] = ..., token_ids: _Optional[bool] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("transfer_id", "worker_id", "host", "port", "num_tokens", "block_size", "num_blocks", "layout", "expires_at", "transport")

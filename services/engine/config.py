@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 << 20
 
@@ -23,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (decode + prefill chunks) per step
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     device: str = "cpu"
     seed: int = 0  # for requests that sample without a seed of their own
@@ -52,6 +54,11 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

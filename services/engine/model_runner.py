@@ -79,6 +79,7 @@ class ModelRunner:
         self.config = config
         dtype: torch.dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model, dtype, config.device, placement)
+        self.model.set_kv_cache_dtype(config.kv_cache_dtype)
         if config.router_skew:
             self.model.skew_routing(config.router_skew)
         if ep_group is not None:
@@ -334,6 +335,7 @@ def _fingerprint(config: EngineConfig, model: MoECausalLM, block_size: int) -> s
         {
             "model": config.model,
             "dtype": config.dtype,
+            "kv_cache_dtype": config.kv_cache_dtype,
             "block_size": block_size,
             **skew,
             "config": model.config.to_hf_dict(),

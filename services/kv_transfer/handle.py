@@ -51,6 +51,11 @@ class LayoutFingerprint:
         )
 
     @property
+    def packed(self) -> bool:
+        """Whether the cache keeps quantised rows (``--kv-cache-dtype fp8``)."""
+        return any(g.packed for g in self.groups)
+
+    @property
     def kinds(self) -> str:
         """The groups' and rings' names: what kind of model the cache is for."""
         names = [g.name for g in self.groups]
@@ -58,7 +63,8 @@ class LayoutFingerprint:
 
     def __str__(self) -> str:
         groups = " ".join(
-            f"{g.name}[L{g.num_layers} /{g.tokens_per_entry} D{g.dim}]" for g in self.groups
+            f"{g.name}[L{g.num_layers} /{g.tokens_per_entry} D{g.dim}{' bytes' if g.packed else ''}]"
+            for g in self.groups
         )
         state = "".join(
             f" {r.name}[L{r.num_layers} R{r.rows} D{r.dim}{' ids' if r.token_ids else ''}]"
@@ -126,6 +132,12 @@ class LayoutMismatch(TransferError):
             why = (
                 f" (the exporter's cache holds {theirs.kinds}, this one {ours.kinds}: the two "
                 f"workers serve different kinds of model)"
+            )
+        elif theirs.packed != ours.packed:
+            fp8, other = ("the exporter's", "this worker's")[:: 1 if theirs.packed else -1]
+            why = (
+                f" ({fp8} cache is FP8 (--kv-cache-dtype fp8), {other} is not: start the "
+                "prefill and decode workers with the same --kv-cache-dtype)"
             )
         super().__init__(
             "layout_mismatch",

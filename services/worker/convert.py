@@ -91,9 +91,12 @@ def kv_handle_from_pb(msg: pb.KvHandle) -> KvHandle:
         lay.model_fingerprint,
         lay.dtype,
         lay.block_size,
-        tuple(PagedGroup(g.name, g.num_layers, g.tokens_per_entry, g.dim) for g in lay.groups),
         tuple(
-            StateRing(r.name, r.num_layers, r.rows, r.dim, r.at_boundary, r.token_ids)
+            PagedGroup(g.name, g.num_layers, g.tokens_per_entry, g.dim, g.packed)
+            for g in lay.groups
+        ),
+        tuple(
+            StateRing(r.name, r.num_layers, r.rows, r.dim, r.at_boundary, r.token_ids, r.packed)
             for r in lay.state
         ),
         lay.state_blocks,

@@ -398,6 +398,26 @@ def test_a_deepseek_v3_cache_refuses_a_v4_handle() -> None:
     assert kv.usage()["in_use"] == 0
 
 
+def test_a_bf16_cache_refuses_an_fp8_handle() -> None:
+    """V4.1 prefill with ``--kv-cache-dtype fp8`` handing off to a decode worker without it:
+    refused before any byte, naming the flag."""
+    from ferry.services.engine.model.full_size import DEEPSEEK_V41_FLASH
+    from ferry.services.engine.model.v41.kv_cache import v41_cache_spec
+    from ferry.services.engine.model.v41.quant import CacheFormat
+
+    fp8 = LayoutFingerprint.of(
+        "v41", "bfloat16", 64, v41_cache_spec(DEEPSEEK_V41_FLASH, CacheFormat("fp8"))
+    )
+    ours = LayoutFingerprint.of("v41", "bfloat16", 64, v41_cache_spec(DEEPSEEK_V41_FLASH))
+    handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 100, 64, 2 + fp8.state_blocks, fp8, 0.0)
+    cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
+    kv = KVCacheManager(BLOCKS, BS)
+    imp = KvImporter(create_transport("local"), cache, kv, ours)
+    with pytest.raises(LayoutMismatch, match=r"exporter's cache is FP8.*same --kv-cache-dtype"):
+        asyncio.run(_pull_once(imp, handle))
+    assert kv.usage()["in_use"] == 0
+
+
 @NETWORK
 def test_unpulled_lease_expires(transport: str) -> None:
     """A lease of 0 s has expired by the time any pull asks for it (waiting one out: the clock

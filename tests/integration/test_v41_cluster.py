@@ -3,7 +3,8 @@ decode, UCX). The prefill worker hands each request's blocks and its state slot 
 window, the ratio-2 source's open row, Engram's look-back) to the decode worker, which continues
 from them: greedy outputs through the REST API and the scheduler equal the in-process engine's,
 for prompts of both parities; a repeated prompt hits the prefill worker's snapshot. After each
-test every KV block and state slot is free on every worker."""
+test every KV block and state slot is free on every worker. Both with the model's cache and the
+FP8 one (``--kv-cache-dtype fp8``: its packed rows are what travels)."""
 
 from __future__ import annotations
 
@@ -17,22 +18,29 @@ import pytest
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from tests.cluster import Cluster, ferry_up, generate, generate_twice, greedy
 
-pytestmark = pytest.mark.slow  # ~1 min: `make test-slow`
+pytestmark = pytest.mark.slow  # ~1 min a cache dtype: `make test-slow`
 
 # lengths 9, 30, 51, 72: both parities (ratio 2), past the window (16) and several blocks
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(9 + 21 * i)] for i in range(4)]
 TOKENS = 10
 
 
+@pytest.fixture(scope="module", params=["auto", "fp8"])
+def kv_cache_dtype(request: pytest.FixtureRequest) -> str:
+    dtype: str = request.param
+    return dtype
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with ferry_up("", "--model", "v41-tiny", "--kv-transport", "ucx", cluster="v41") as c:
+def cluster(kv_cache_dtype: str) -> Iterator[Cluster]:
+    args = ("--model", "v41-tiny", "--kv-transport", "ucx", "--kv-cache-dtype", kv_cache_dtype)
+    with ferry_up("", *args, cluster="v41") as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(EngineConfig(model="v41-tiny"))
+def engine(kv_cache_dtype: str) -> Engine:
+    return Engine(EngineConfig(model="v41-tiny", kv_cache_dtype=kv_cache_dtype))
 
 
 def _greedy(n: int) -> SamplingParams:

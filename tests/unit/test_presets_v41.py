@@ -150,12 +150,12 @@ def test_export_writes_deepseeks_dtypes(exported: Path) -> None:
 
 
 def test_export_has_the_golden_checkpoints_layout(exported: Path) -> None:
-    """Every stored name (layer and expert numbers aside) has the golden checkpoint's dtype;
-    the golden's DSpark stages (mtp.*) are not part of a preset."""
+    """Every stored name (layer and expert numbers aside) has the golden checkpoint's dtype,
+    the three DSpark stages (``mtp.*``) included."""
     ours = layout(stored_dtypes(exported / "model.safetensors"))
     golden = stored_dtypes(case_dir("mini-flash-fp8") / "model.safetensors")
-    theirs = layout({k: v for k, v in golden.items() if not k.startswith("mtp.")})
-    assert ours == theirs
+    assert ours == layout(golden)
+    assert "mtp.0.main_proj.weight" in ours and "mtp.2.markov_head.head.weight" in ours
 
 
 def test_the_export_loads_as_the_preset(exported: Path) -> None:
@@ -169,3 +169,28 @@ def test_the_export_loads_as_the_preset(exported: Path) -> None:
             logits.append(model.compute_logits(model.forward_chunk(ids, SequenceState())))
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
     assert logits[0].std() > 0.1
+
+
+def test_a_golden_checkpoints_dspark_stages_load_into_their_blocks() -> None:
+    """``mtp.K.*`` into ``model.dspark.K``: an FP8 projection and an FP4 expert dequantised in
+    place (exact in a bf16 model), the last stage's heads in float32 (the reference keeps them
+    so)."""
+    from ferry.services.engine.model.loader import dequantize_fp4, dequantize_fp8
+
+    path = case_dir("compact-fp8")
+    model = load_checkpoint(path, torch.bfloat16)
+    params = {k: v.float() for k, v in model.named_parameters()}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        w, scale = f.get_tensor("mtp.0.main_proj.weight"), f.get_tensor("mtp.0.main_proj.scale")
+        want = dequantize_fp8(w, scale, (32, 32), "main_proj", str(path))
+        assert torch.equal(params["model.dspark.0.main_proj.weight"], want)
+        w, scale = (f.get_tensor(f"mtp.0.ffn.experts.4.w2.{k}") for k in ("weight", "scale"))
+        want = dequantize_fp4(w, scale, "w2", str(path))
+        assert torch.equal(params["model.dspark.0.mlp.experts.w2"][4], want)
+        head = f.get_tensor("mtp.0.markov_head.head.weight")
+        assert torch.equal(params["model.dspark.0.markov_head.head.weight"], head.float())
+    heads = ("markov_head.head", "confidence_head.proj")
+    assert {model.get_parameter(f"model.dspark.0.{h}.weight").dtype for h in heads} == {
+        torch.float32
+    }
+    assert model.get_parameter("model.dspark.0.main_proj.weight").dtype == torch.bfloat16

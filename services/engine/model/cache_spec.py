@@ -8,6 +8,8 @@ blocks and admits requests from this alone, whichever model it runs. No torch.
 - A *state ring* holds, per request, the last ``rows`` rows of something that only looks back a
   fixed distance: V4's sliding window and its compressors' not-yet-pooled rows. A request that
   runs holds one *state slot* (a row of every ring); it needs no blocks for these.
+- A group or ring may be *packed*: its rows are bytes (values quantised with their scales, as
+  DeepSeek-V4.1's FP8 cache keeps them), whatever the cache's dtype, and ``dim`` counts bytes.
 - A *snapshot* is a copy of a slot's rings at a block boundary, kept for the prefix cache: a hit
   on the blocks before the boundary continues from it. Rings whose content at a block boundary
   is always empty (``at_boundary=False``: V4's HCA rows, as every rate divides the block) are
@@ -19,16 +21,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+PACKED_ALIGN = 8  # a packed group's bytes in a block round up to this: the next one's aligned
+
 
 @dataclass(frozen=True)
 class PagedGroup:
     name: str
     num_layers: int
     tokens_per_entry: int
-    dim: int  # values per entry
+    dim: int  # values per entry (bytes, packed)
+    packed: bool = False
 
     def bytes_per_block(self, block_size: int, itemsize: int) -> int:
+        if self.packed:
+            size = self.num_layers * (block_size // self.tokens_per_entry) * self.dim
+            return -(-size // PACKED_ALIGN) * PACKED_ALIGN
         return self.num_layers * (block_size // self.tokens_per_entry) * self.dim * itemsize
+
+    def bytes_per_token(self, itemsize: int) -> float:
+        return self.num_layers * self.dim * (1 if self.packed else itemsize) / self.tokens_per_entry
 
 
 @dataclass(frozen=True)
@@ -36,12 +47,14 @@ class StateRing:
     name: str
     num_layers: int
     rows: int
-    dim: int  # values per row
+    dim: int  # values per row (bytes, packed)
     at_boundary: bool = True  # holds anything at a block boundary (a snapshot copies it)
     token_ids: bool = False  # holds token ids: int64, whatever the cache's dtype
+    packed: bool = False
 
     def bytes_per_slot(self, itemsize: int) -> int:
-        return self.num_layers * self.rows * self.dim * (8 if self.token_ids else itemsize)
+        size = 8 if self.token_ids else 1 if self.packed else itemsize
+        return self.num_layers * self.rows * self.dim * size
 
 
 @dataclass(frozen=True)
@@ -84,7 +97,7 @@ class CacheSpec:
 
     def bytes_per_token(self, itemsize: int) -> float:
         """The paged part, per token of context."""
-        return sum(g.num_layers * g.dim * itemsize / g.tokens_per_entry for g in self.groups)
+        return sum(g.bytes_per_token(itemsize) for g in self.groups)
 
     def describe(self, itemsize: int) -> list[dict[str, object]]:
         """One row per group and ring, for docs and benchmarks."""
@@ -93,7 +106,7 @@ class CacheSpec:
                 "group": g.name,
                 "layers": g.num_layers,
                 "tokens_per_entry": g.tokens_per_entry,
-                "bytes_per_token": g.num_layers * g.dim * itemsize / g.tokens_per_entry,
+                "bytes_per_token": g.bytes_per_token(itemsize),
             }
             for g in self.groups
         ]

@@ -14,6 +14,7 @@ from ferry.services.engine.expert_load import ExpertLoad
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.cache_spec import CacheSpec
+from ferry.services.engine.model.config import ConfigError
 from ferry.services.engine.model.forward_batch import AttentionPath, GraphStep
 from ferry.services.engine.model.moe import HashRouter, MoE
 
@@ -51,6 +52,15 @@ class MoECausalLM(nn.Module):
     def attach_checkpoint_files(self, path: Path) -> None:
         """Read what the model needs from its checkpoint's folder besides the weights (V4.1's
         Engram: the tokenizer). Nothing, for most families."""
+
+    def set_kv_cache_dtype(self, name: str) -> None:
+        """How the cache stores what attention keeps (``--kv-cache-dtype``): ``auto``, the
+        model's dtype, for every family; ``fp8`` where the family has that format."""
+        if name != "auto":
+            raise ConfigError(
+                f"--kv-cache-dtype {name}: {type(self).__name__} has only the model's dtype "
+                "(auto); an FP8 cache exists for DeepSeek-V4.1"
+            )
 
     def cache_spec(self) -> CacheSpec:
         """What the model keeps per token (paged groups) and per request (state rings)."""

@@ -50,7 +50,10 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 # FP4 e2m1, two per byte (the even index in the low nibble), as DeepSeek-V4's routed experts
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 # a routed expert's tensor by Ferry's name, in every family: rows of the slot-stacked parameters
-EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# of a decoder layer, or of a drafter's block (V4.1's DSpark stages, every expert in its slot)
+EXPERT_RE = re.compile(
+    r"model\.(layers|dspark)\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight"
+)
 
 # How a tensor is stored in a released checkpoint: FP8 e4m3 and FP4 e2m1 with E8M0 scales, BF16,
 # F32 (as generated: float32, or an integer table). DENSE: FP8 in a quantized checkpoint, else
@@ -65,7 +68,7 @@ RELEASED_LAYOUTS: dict[str, Layout] = {
         (EXPERT_RE, EXPERT),
         (re.compile(r"\.engram\.embed\.weight$"), FP8),  # FP8 rows even in a bf16 checkpoint
         (re.compile(r"\.self_attn\.(q_a|q_b|kv|o_a|o_b|indexer\.q_b)_proj\.weight$"), DENSE),
-        (re.compile(r"\.(shared_experts\.\w+_proj|engram\.wkv)\.weight$"), DENSE),
+        (re.compile(r"\.(shared_experts\.\w+_proj|engram\.wkv|main_proj)\.weight$"), DENSE),
         (re.compile(r"\.(sinks|e_score_correction_bias)$|_hc\.(fn|base|scale)$"), F32),
     ),
 }
@@ -158,10 +161,14 @@ class _Targets:
             with torch.no_grad():
                 self.state[name].copy_(tensor)
             return
-        layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-        prefix = f"model.layers.{layer}.mlp.experts."
+        block, layer, expert, proj = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+        prefix = f"model.{block}.{layer}.mlp.experts."
         inter = self.config.moe_intermediate_size
-        for slot in self._slots.get((self._moe_index[layer], expert), []):
+        if block == "dspark":
+            slots = [expert]
+        else:
+            slots = self._slots.get((self._moe_index[layer], expert), [])
+        for slot in slots:
             with torch.no_grad():
                 if proj == "down":
                     self.state[prefix + "w2"][slot].copy_(tensor)

@@ -31,6 +31,7 @@ class StateCache:
         spec.block_size(block_size)  # whole entries per block, or a clear error
         self.block_size, self.num_slots = block_size, num_slots
         self.num_blocks = num_blocks
+        self.dtype = dtype
         itemsize = dtype.itemsize
         self.blocks = torch.zeros(
             num_blocks, spec.bytes_per_block(block_size, itemsize), dtype=torch.uint8, device=device
@@ -44,7 +45,9 @@ class StateCache:
         for g in spec.groups:
             entries = block_size // g.tokens_per_entry
             size = g.bytes_per_block(block_size, itemsize)
-            part = self.blocks[:, at : at + size].view(dtype)
+            part = self.blocks[:, at : at + size]
+            # a packed group's rows are bytes (the padding after them unused)
+            part = part[:, : g.num_layers * entries * g.dim] if g.packed else part.view(dtype)
             self.tensors[g.name] = part.view(num_blocks, g.num_layers, entries, g.dim).transpose(
                 0, 1
             )
@@ -53,7 +56,7 @@ class StateCache:
         self.rings = [r.name for r in spec.rings]
         self.snapshot_rings = [r.name for r in spec.rings if r.at_boundary]
         for r in spec.rings:
-            ring_dtype = torch.int64 if r.token_ids else dtype
+            ring_dtype = torch.int64 if r.token_ids else torch.uint8 if r.packed else dtype
             shape = (r.num_layers, num_slots, r.rows, r.dim)
             self.tensors[r.name] = torch.zeros(shape, dtype=ring_dtype, device=device)
             if r.at_boundary:

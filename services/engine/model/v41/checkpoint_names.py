@@ -5,8 +5,9 @@ Ferry's names are V4's where the part is V4's (``model.layers.L.self_attn.q_a_pr
 routed experts ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``) and DeepSeek's leaves
 for V4.1's own parts: the indexer sits on the attention (``self_attn.indexer.q_b_proj``), its key
 projection on the compressor whose entries it reads (``self_attn.compressor.indexer_k_proj``),
-Engram on the layer (``model.layers.L.engram.*``). The DSpark stages (``mtp.*``) and the vision
-tower are not loaded yet.
+Engram on the layer (``model.layers.L.engram.*``), the DSpark stages as ``model.dspark.K.*``
+(a block's names, and DeepSeek's for the parts only a stage has: ``main_proj``,
+``markov_head.embed``, ``confidence_head.proj`` ...). The vision tower is not loaded yet.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _RENAMES: list[tuple[str, str]] = [
     (r"^head\.weight$", "lm_head.weight"),
     (r"^norm\.weight$", "model.norm.weight"),
     (r"^layers\.", "model.layers."),
+    (r"^mtp\.", "model.dspark."),
     (r"\.attn_norm\.", ".input_layernorm."),
     (r"\.ffn_norm\.", ".post_attention_layernorm."),
     (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
@@ -58,6 +60,7 @@ _TO_DEEPSEEK = [
         (r"^lm_head\.weight$", "head.weight"),
         (r"^model\.norm\.weight$", "norm.weight"),
         (r"^model\.layers\.", "layers."),
+        (r"^model\.dspark\.", "mtp."),
         (r"\.input_layernorm\.", ".attn_norm."),
         (r"\.post_attention_layernorm\.", ".ffn_norm."),
         (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
@@ -81,9 +84,8 @@ _TO_DEEPSEEK = [
     ]
 ]
 
-# not loaded: the DSpark stages (speculative decoding), the vision tower and the image-token
-# router bias (text only), rotary caches
-IGNORED_RE = re.compile(r"^(mtp|vision|aligner)\.|^image_|\.gate\.bias_vl$|rotary_emb\.")
+# not loaded: the vision tower and the image-token router bias (text only), rotary caches
+IGNORED_RE = re.compile(r"^(vision|aligner)\.|^image_|\.gate\.bias_vl$|rotary_emb\.")
 VISION_RE = re.compile(r"^(vision|aligner)\.|^image_|\.gate\.bias_vl$")
 # Engram's table: FP8 rows with one E8M0 scale per 32 values of a row
 ENGRAM_TABLE_BLOCK = (1, 32)
@@ -122,26 +124,51 @@ def fp8_block(name: str, c: V41ModelConfig) -> tuple[int, int]:
 
 def checkpoint_shapes(c: V41ModelConfig) -> dict[str, Shape]:
     """Every tensor a text-only checkpoint for ``c`` must hold, by Ferry's name."""
-    h, hc = c.hidden_size, c.hc_mult
+    h = c.hidden_size
     shapes: dict[str, Shape] = {
         "model.embed_tokens.weight": (c.vocab_size, h),
         "model.norm.weight": (h,),
         "lm_head.weight": (c.vocab_size, h),
     }
-    mixes = (2 + hc) * hc
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for part in ("attn_hc", "ffn_hc"):
-            shapes[f"{p}{part}.fn"] = (mixes, hc * h)
-            shapes[f"{p}{part}.base"] = (mixes,)
-            shapes[f"{p}{part}.scale"] = (3,)
-        shapes.update(_attention_shapes(c, i, p + "self_attn."))
-        shapes.update(_moe_shapes(c, p + "mlp."))
+        shapes.update(_block_shapes(c, i, p))
+        shapes.update(_moe_shapes(c, p + "mlp.", c.n_routed_experts))
         if i in c.engram_layer_ids:
             shapes.update(_engram_shapes(c, i, p + "engram."))
+    stages = c.num_nextn_predict_layers if c.dspark_block_size else 0
+    for k in range(stages):
+        shapes.update(_dspark_shapes(c, k, f"model.dspark.{k}."))
     return shapes
+
+
+def _block_shapes(c: V41ModelConfig, layer: int, p: str) -> dict[str, Shape]:
+    """A block's norms, mHC and attention."""
+    h, hc = c.hidden_size, c.hc_mult
+    mixes = (2 + hc) * hc
+    s: dict[str, Shape] = {p + "input_layernorm.weight": (h,)}
+    s[p + "post_attention_layernorm.weight"] = (h,)
+    for part in ("attn_hc", "ffn_hc"):
+        s[f"{p}{part}.fn"] = (mixes, hc * h)
+        s[f"{p}{part}.base"] = (mixes,)
+        s[f"{p}{part}.scale"] = (3,)
+    s.update(_attention_shapes(c, layer, p + "self_attn."))
+    return s
+
+
+def _dspark_shapes(c: V41ModelConfig, stage: int, p: str) -> dict[str, Shape]:
+    h, rank = c.hidden_size, c.dspark_markov_rank
+    s = _block_shapes(c, c.num_hidden_layers + stage, p)
+    s.update(_moe_shapes(c, p + "mlp.", c.dspark_n_routed_experts or c.n_routed_experts))
+    if stage == 0:
+        s[p + "main_proj.weight"] = (h, len(c.dspark_target_layer_ids) * h)
+        s[p + "main_norm.weight"] = (h,)
+    if stage == c.num_nextn_predict_layers - 1:
+        s[p + "norm.weight"] = (h,)
+        s[p + "markov_head.embed.weight"] = (c.vocab_size, rank)
+        s[p + "markov_head.head.weight"] = (c.vocab_size, rank)
+        s[p + "confidence_head.proj.weight"] = (1, h + rank)
+    return s
 
 
 def _attention_shapes(c: V41ModelConfig, layer: int, p: str) -> dict[str, Shape]:
@@ -170,14 +197,14 @@ def _attention_shapes(c: V41ModelConfig, layer: int, p: str) -> dict[str, Shape]
     return s
 
 
-def _moe_shapes(c: V41ModelConfig, p: str) -> dict[str, Shape]:
+def _moe_shapes(c: V41ModelConfig, p: str, experts: int) -> dict[str, Shape]:
     h, inter = c.hidden_size, c.moe_intermediate_size
     s: dict[str, Shape] = {
-        p + "gate.weight": (c.n_routed_experts, h),
-        p + "gate.e_score_correction_bias": (c.n_routed_experts,),
+        p + "gate.weight": (experts, h),
+        p + "gate.e_score_correction_bias": (experts,),
     }
     mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-    for e in range(c.n_routed_experts):
+    for e in range(experts):
         s.update({f"{p}experts.{e}.{k}.weight": v for k, v in mlp.items()})
     shared = inter * c.n_shared_experts
     s[p + "shared_experts.gate_proj.weight"] = (shared, h)

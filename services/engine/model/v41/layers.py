@@ -32,6 +32,7 @@ from ferry.services.engine.model.mhc import GroupedLinear, HyperConnection, V4RM
 from ferry.services.engine.model.moe import MLP, MoE, Router
 from ferry.services.engine.model.rope import V4Rope
 from ferry.services.engine.model.v41.config import V41ModelConfig
+from ferry.services.engine.model.v41.quant import AUTO, CacheFormat, rounded
 
 NEG = -torch.inf
 
@@ -151,10 +152,11 @@ class Trace:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A chunk's positions and the RoPE tables of its layer kind."""
+    """A chunk's positions, the RoPE tables and how the cache rounds what it keeps."""
 
     positions: torch.Tensor  # [T] int64, start .. start + T - 1
     rope: V4Rope
+    cache: CacheFormat = AUTO
 
     @property
     def start(self) -> int:
@@ -228,10 +230,11 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """[T, entries] float32: each query's score of every entry (unmasked)."""
         q = self.q_b_proj(q_latent).unflatten(-1, (self.heads, self.dim))
-        q = chunk.rotate(q, chunk.positions, "compress")
-        weights = self.weights_proj(x).float() * self.scale
-        dots = torch.einsum("thd,jd->thj", q.float(), keys.float()).relu()
-        return (dots * weights[..., None]).sum(dim=1)
+        q = rounded(chunk.cache.index, chunk.rotate(q, chunk.positions, "compress"))
+        # in the activations' dtype, as the reference scores (bf16 in the released model)
+        weights = self.weights_proj(x) * self.scale
+        dots = torch.einsum("thd,jd->thj", q, keys.to(q.dtype)).relu()
+        return (dots * weights[..., None]).sum(dim=1).float()
 
 
 def candidate_blocks(
@@ -307,6 +310,7 @@ class V41Attention(nn.Module):
         q = self.q_b_proj(q_latent).unflatten(-1, (self.heads, self.head_dim))
         q = chunk.rotate(q, chunk.positions, self.table)
         kv = chunk.rotate(self.kv_norm(self.kv_proj(x)), chunk.positions, self.table)
+        kv = rounded(chunk.cache.window, kv)
         keys, mask = self._window(kv, chunk, state)
         qf = q.float()
         # window rows, shared by every query [rows, head_dim]; chosen entries, a set per query
@@ -318,8 +322,7 @@ class V41Attention(nn.Module):
             picked = padded[chosen.where(chosen >= 0, len(entries))]
             picked_scores = torch.einsum("thd,tkd->thk", qf, picked)
             scores.append(picked_scores.masked_fill((chosen < 0)[:, None], NEG))
-        sink = self.sinks.float()[None, :, None].expand(len(x), -1, 1)
-        probs = torch.cat([torch.cat(scores, dim=-1) * self.scale, sink], dim=-1).softmax(-1)
+        probs = self._probabilities(torch.cat(scores, dim=-1) * self.scale, x.dtype)
         out = torch.einsum("thk,kd->thd", probs[..., : len(keys)], keys.float())
         if self.ratio:
             picked_probs = probs[..., len(keys) : len(keys) + chosen.shape[1]]
@@ -328,6 +331,15 @@ class V41Attention(nn.Module):
         out = chunk.rotate(out, chunk.positions, self.table, inverse=True)
         out = out.reshape(len(x), self.config.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(out))
+
+    def _probabilities(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Softmax over [T, heads, rows] with each head's sink in the denominator only. The
+        numerators are rounded to the activations' dtype before they weigh the rows, as the
+        reference's kernel feeds them to its P.V product (bf16 in the released model)."""
+        top = logits.amax(-1, keepdim=True).clamp_min(-1e30)  # a row of -inf: none seen
+        p = (logits - top).exp()
+        total = p.sum(-1, keepdim=True) + (self.sinks.float()[:, None] - top).exp()
+        return p.to(dtype).float() / total
 
     def _window(
         self, kv: torch.Tensor, chunk: Chunk, state: History
@@ -361,8 +373,9 @@ class V41Attention(nn.Module):
             done = state.length // r
             latent = self.compressor(x, self.layer_id, state)
             where = torch.arange(done, done + len(latent), device=x.device) * r
-            rotated = chunk.rotate(latent, where, "compress")
+            rotated = rounded(chunk.cache.entries, chunk.rotate(latent, where, "compress"))
             keys = chunk.rotate(self.compressor.index_keys(latent), where, "compress")
+            keys = rounded(chunk.cache.index, keys)
             state.add_entries(source, rotated, keys)
         entries = state.entries(source)
         if entries is None:

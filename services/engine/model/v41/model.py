@@ -31,13 +31,17 @@ from ferry.services.engine.model.v41.layers import (
     V41HyperConnection,
     V41MoE,
 )
+from ferry.services.engine.model.v41.quant import AUTO, CacheFormat
 
 # Parameters kept in float32 whatever the model's dtype, as the reference keeps them
-KEEP_FP32 = ("attn_hc", "ffn_hc", "sinks", "e_score_correction_bias")
+KEEP_FP32: tuple[str, ...] = (
+    *("attn_hc", "ffn_hc", "sinks", "e_score_correction_bias"),
+    *(r"markov_head\.head", "confidence_head"),  # DSpark's heads
+)
 
 
 class V41DecoderLayer(nn.Module):
-    def __init__(self, config: V41ModelConfig, layer_id: int, placement: ExpertPlacement) -> None:
+    def __init__(self, config: V41ModelConfig, layer_id: int, mlp: V41MoE) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.layer_id = layer_id
@@ -46,7 +50,7 @@ class V41DecoderLayer(nn.Module):
         self.input_layernorm = V4RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = V4RMSNorm(config.hidden_size, eps)
         self.self_attn = V41Attention(config, layer_id)
-        self.mlp = V41MoE(config, layer_id, placement)
+        self.mlp = mlp
         self.engram = (
             EngramLayer(engram_params(config), layer_id)
             if layer_id in config.engram_layer_ids
@@ -79,14 +83,48 @@ class V41DecoderLayer(nn.Module):
         return HyperConnection.expand(streams, x, post, comb), ffn_pre
 
 
+class DSparkStage(V41DecoderLayer):
+    """One stage of the DSpark drafter (``mtp.{k}`` in DeepSeek's checkpoint): a window-only
+    block with an MoE of its own (``dspark_n_routed_experts``, every one on every rank), the
+    first stage projecting the target's taps (``main_proj``, ``main_norm``), the last one the
+    final norm, the Markov head (a bigram bias on the drafts' logits) and the confidence head.
+    Loaded with the model; speculative decoding runs it."""
+
+    def __init__(self, config: V41ModelConfig, stage: int) -> None:
+        experts = config.dspark_n_routed_experts or config.n_routed_experts
+        moe = dataclasses.replace(
+            config,
+            n_routed_experts=experts,
+            num_experts_per_tok=config.dspark_num_experts_per_tok or config.num_experts_per_tok,
+        )
+        with torch.device("cpu"):  # real tensors, also while the loader builds on "meta"
+            placement = ExpertPlacement.identity(1, experts)
+        super().__init__(config, config.num_hidden_layers + stage, V41MoE(moe, 0, placement))
+        h, rank = config.hidden_size, config.dspark_markov_rank
+        if stage == 0:
+            taps = len(config.dspark_target_layer_ids)
+            self.main_proj = nn.Linear(taps * h, h, bias=False)
+            self.main_norm = V4RMSNorm(h, config.rms_norm_eps)
+        if stage == config.num_nextn_predict_layers - 1:
+            self.norm = V4RMSNorm(h, config.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(config.vocab_size, rank)
+            self.markov_head.head = nn.Linear(rank, config.vocab_size, bias=False)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = nn.Linear(h + rank, 1, bias=False)
+
+
 class DeepseekV41Model(nn.Module):
     def __init__(self, config: V41ModelConfig, placement: ExpertPlacement) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            V41DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers)
+            V41DecoderLayer(config, i, V41MoE(config, i, placement))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        stages = config.num_nextn_predict_layers if config.dspark_block_size else 0
+        self.dspark = nn.ModuleList(DSparkStage(config, k) for k in range(stages))
 
 
 class DeepseekV41ForCausalLM(MoECausalLM):
@@ -96,7 +134,7 @@ class DeepseekV41ForCausalLM(MoECausalLM):
     tokenizer's compressed token map, read with the weights (``attach_checkpoint_files``)."""
 
     config: V41ModelConfig
-    keep_fp32 = KEEP_FP32
+    keep_fp32: tuple[str, ...] = KEEP_FP32
     attention_path: AttentionPath = "expanded"  # one path for every sequence, decode included
 
     def __init__(self, config: V41ModelConfig, placement: ExpertPlacement | None = None) -> None:
@@ -105,18 +143,33 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = V4Rope(config)  # type: ignore[arg-type]
         self.hasher: EngramHash | None = None
+        self.cache_format = AUTO
+        # a ratio-2 source pools in float32, its projections too (the reference's choice)
+        pooled = "|".join(str(i) for i in config.kv_source_layer_ids if config.ratio(i) == 2)
+        if pooled:
+            self.keep_fp32 = (*KEEP_FP32, rf"layers\.({pooled})\.self_attn\.compressor")
 
     def decoder_layers(self) -> Iterable[nn.Module]:
         return iter(self.model.layers)
 
+    def set_kv_cache_dtype(self, name: str) -> None:
+        self.cache_format = CacheFormat(name)
+
     def cache_spec(self) -> CacheSpec:
-        return v41_cache_spec(self.config)
+        return v41_cache_spec(self.config, self.cache_format)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, num_slots: int, num_snapshots: int = 0
     ) -> V41KVCache:
         return V41KVCache(
-            self.config, num_blocks, block_size, num_slots, self.dtype, self.device, num_snapshots
+            self.config,
+            self.cache_format,
+            num_blocks,
+            block_size,
+            num_slots,
+            self.dtype,
+            self.device,
+            num_snapshots,
         )
 
     def kv_blocks(self, kv_cache: V41KVCache) -> torch.Tensor:
@@ -166,7 +219,7 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         start = state.length
         state.begin(len(input_ids))
         positions = torch.arange(start, start + len(input_ids), device=input_ids.device)
-        chunk = Chunk(positions, self.rope)
+        chunk = Chunk(positions, self.rope, self.cache_format)
         hashes = None
         if c.engram_layer_ids:
             if self.hasher is None:

@@ -19,9 +19,13 @@ its amax unchanged (the kernels require whole groups).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from ferry.services.engine.config import KV_CACHE_DTYPES
 from ferry.services.engine.model.config import E2M1, FP4_BLOCK
 
 FP8_MAX = 448.0
@@ -195,3 +199,96 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() != 2:
         raise ValueError(f"an FP4 weight is [out, in], got shape {list(w.shape)}")
     return fp4_quant_e8m0(w, FP4_BLOCK)
+
+
+# ---- the KV cache's formats ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowCodec:
+    """One cached row kind stored packed: its codes then its scales, as bytes. ``qdq`` is what
+    attention reads back; ``encode`` / ``decode`` the bytes a cache holds, decode(encode(x)) =
+    qdq(x)."""
+
+    quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequant: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    code_bytes: Callable[[int], int]  # a row of n values: its codes' bytes
+    block: int
+
+    def row_bytes(self, n: int) -> int:
+        return self.code_bytes(n) + -(-n // self.block)
+
+    def qdq(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequant(*self.quant(x), x.dtype)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] -> uint8 [..., row_bytes(n)]."""
+        codes, scales = self.quant(x)
+        return torch.cat([codes.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
+
+    def decode(self, packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 [..., row_bytes(n)] -> [..., n] as ``dtype``."""
+        at = self.code_bytes(n)
+        codes, scales = packed[..., :at], packed[..., at:]
+        return self.dequant(codes, scales, dtype)
+
+
+FP8_ROWS = RowCodec(
+    fp8_quant,
+    lambda c, s, dt: fp8_dequant(c.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), 32, dt),
+    lambda n: n,
+    32,
+)
+FP4_E4M3_ROWS = RowCodec(
+    lambda x: fp4_quant_e4m3(x, 16),
+    lambda c, s, dt: fp4_dequant(c, s.view(torch.float8_e4m3fn), 16, dt),
+    lambda n: n // 2,
+    16,
+)
+FP4_E8M0_ROWS = RowCodec(
+    fp4_quant_e8m0,
+    lambda c, s, dt: fp4_dequant(c, s.view(torch.float8_e8m0fnu), 32, dt),
+    lambda n: n // 2,
+    32,
+)
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """How attention rounds what it caches (``--kv-cache-dtype``). ``auto``: kept as computed,
+    in the model's dtype. ``fp8``: the released model's quantisation points, each applied where
+    DeepSeek's reference applies it and stored packed: the window's rows FP8 per 32 with UE8M0
+    scales (RoPE dims included), the compressed entries FP4 per 16 with E4M3 scales, the index
+    keys FP4 per 32 with E8M0 scales (the indexer's queries are rounded alike, not stored)."""
+
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.name not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+
+    @property
+    def packed(self) -> bool:
+        return self.name == "fp8"
+
+    @property
+    def window(self) -> RowCodec | None:
+        return FP8_ROWS if self.packed else None
+
+    @property
+    def entries(self) -> RowCodec | None:
+        return FP4_E4M3_ROWS if self.packed else None
+
+    @property
+    def index(self) -> RowCodec | None:
+        return FP4_E8M0_ROWS if self.packed else None
+
+
+AUTO = CacheFormat()
+
+
+def rounded(codec: RowCodec | None, x: torch.Tensor) -> torch.Tensor:
+    """x as a cache of ``codec``'s format gives it back (None: as it is)."""
+    return x if codec is None else codec.qdq(x)
