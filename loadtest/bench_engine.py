@@ -174,6 +174,7 @@ def kv_bytes() -> dict[str, object]:
         c = preset.config
         if isinstance(c, V41ModelConfig):
             spec = v41_cache_spec(c)
+            out[f"{name} (fp8)"] = row(v41_cache_spec(c, CacheFormat("fp8")), 4)
         elif isinstance(c, V4ModelConfig):
             spec = v4_cache_spec(c)
         else:
@@ -188,6 +189,7 @@ def _config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype="float32",
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=64,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=2048,
@@ -210,6 +212,12 @@ def main() -> None:
         help="a preset to run through Ferry as the baseline instead of transformers "
         "(default for v41-*: the v4-* preset of the same size)",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="Ferry's KV cache for --model (fp8: DeepSeek-V4.1); the baseline keeps its own",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--kv-cache-gib", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -217,6 +225,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.out is None:
         suffix = "" if args.model == "small" else f"-{args.model}"
+        suffix += "" if args.kv_cache_dtype == "auto" else f"-{args.kv_cache_dtype}"
         args.out = f"loadtest/results/engine{suffix}.json"
     header = record(threads=torch.get_num_threads())
     reqs = workload(args.num_requests, args.seed)
@@ -235,7 +244,8 @@ def main() -> None:
     against = args.against or AGAINST.get(args.model)
     if against:  # no transformers implementation: the other family's preset, through Ferry
         print(f"ferry {against}: {len(reqs)} requests", flush=True)
-        base = run_ferry(argparse.Namespace(**{**vars(args), "model": against}), reqs)
+        theirs = {**vars(args), "model": against, "kv_cache_dtype": "auto"}
+        base = run_ferry(argparse.Namespace(**theirs), reqs)
         baseline = {"model": against, "engine": "ferry", **base}
     else:
         hf_reqs = reqs[: args.hf_requests] if args.hf_requests else reqs
@@ -254,6 +264,7 @@ def main() -> None:
         "workload": {
             "model": args.model,
             "dtype": "float32",
+            "kv_cache_dtype": args.kv_cache_dtype,
             "requests": args.num_requests,
             "prompt_len": [32, 1024],
             "output_len": [16, 512],

@@ -143,3 +143,33 @@ def test_a_config_that_cannot_run_names_the_file_and_the_field(
         del d["text_config"]["index_topk"]
     with pytest.raises(ConfigError, match="^cfg.json: .*" + re.escape(message)):
         config_from_hf_dict(d, "cfg.json")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_three_sequences_in_one_step_give_each_ones_logits(case: str) -> None:
+    """The three prompts as one step (projections, mHC and MoE over all their tokens, each
+    sequence's attention and choices on its own history), then their decode steps together:
+    every logit the reference's."""
+    g, m = goldens(case), model(case)
+    prompts = [g[f"prompt{p}.input_ids"] for p in PROMPTS]
+    states = [SequenceState() for _ in PROMPTS]
+    traces = [Trace() for _ in PROMPTS]
+    with torch.inference_mode():
+        hidden = m.forward_sequences(list(zip(prompts, states, strict=True)), traces)
+        logits = m.compute_logits(hidden).split([len(p) for p in prompts])
+    for p, trace in zip(PROMPTS, traces, strict=True):
+        want = g[f"prompt{p}.math.prefill_logits"]
+        torch.testing.assert_close(logits[p], want, rtol=0, atol=ATOL)
+        for layer, chosen in trace.topk.items():
+            assert same(chosen, g[f"prompt{p}.math.topk.layer{layer}"]), (p, layer)
+        for layer, experts in trace.experts.items():
+            assert same(experts, g[f"prompt{p}.math.experts.layer{layer}"]), (p, layer)
+    fed = torch.stack([g[f"prompt{p}.math.decode_tokens"] for p in PROMPTS])  # [3, N]
+    with torch.inference_mode():
+        steps = [
+            m.compute_logits(m.forward_sequences(list(zip(fed[:, k : k + 1], states, strict=True))))
+            for k in range(fed.shape[1])
+        ]
+    decode = torch.stack(steps, dim=1)  # [3, N, V]
+    for p in PROMPTS:
+        torch.testing.assert_close(decode[p], g[f"prompt{p}.math.decode_logits"], rtol=0, atol=ATOL)

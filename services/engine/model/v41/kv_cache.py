@@ -4,7 +4,7 @@ Paged, on the kv sources only (the other layers read their source's), one entry 
 tokens: ``kv_r2`` / ``kv_r1`` (the compressed entries, rotated) and ``index_r2`` / ``index_r1``
 (the indexer's keys). Rings, per request: ``swa`` (the window of every layer and DSpark stage,
 rotated K = V rows), ``compressor_rows`` (a ratio-2 source's kv | score rows of its unfinished
-pair, empty at every even position, so at every block boundary) and ``engram_ids`` (Engram's
+pair, float32, empty at every even position, so at every block boundary) and ``engram_ids`` (Engram's
 look-back: the compressed ids of the last tokens).
 
 With ``--kv-cache-dtype fp8`` (``CacheFormat``) the window, the entries and the index keys are
@@ -38,7 +38,8 @@ def v41_cache_spec(c: V41ModelConfig, fmt: CacheFormat = AUTO) -> CacheSpec:
     window, packed = _width(fmt.window, d)
     rings = [
         StateRing("swa", layers, c.sliding_window, window, packed=packed),
-        StateRing("compressor_rows", len(sources[2]), 2, 2 * d, at_boundary=False),
+        # float32 whatever the cache's dtype, as the reference pools: bytes of a packed ring
+        StateRing("compressor_rows", len(sources[2]), 2, 2 * d * 4, at_boundary=False, packed=True),
     ]
     if c.engram_layer_ids:
         lookback = c.engram_max_ngram_size - 1
@@ -152,7 +153,7 @@ class PagedHistory(History):
         if not left:
             return None
         ring = self._ring("compressor_rows", self.cache.source_row[source])
-        rows = ring[torch.arange(self.length - left, self.length) % r].float()
+        rows = ring[torch.arange(self.length - left, self.length) % r].view(torch.float32)
         kv, score = rows.chunk(2, dim=-1)
         return kv, score
 
@@ -163,7 +164,7 @@ class PagedHistory(History):
         ring = self._ring("compressor_rows", self.cache.source_row[source])
         end = self.length + self._chunk_tokens
         positions = torch.arange(end - len(kv), end)
-        ring[positions % r] = torch.cat([kv, score], dim=-1).to(ring.dtype)
+        ring[positions % r] = torch.cat([kv, score], dim=-1).float().view(torch.uint8)
 
     def engram_lookback(self) -> torch.Tensor | None:
         if not self.length:

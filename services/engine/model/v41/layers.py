@@ -10,8 +10,10 @@ float32 ("math") form:
 - mHC whose pre-mix comes from the previous sublayer (``V41Block``), and sqrt(softplus) MoE with
   a router temperature and no hash layers.
 
-Every layer runs a chunk of one sequence after the rows its ``SequenceState`` holds: a prefill
-from position 0 is a chunk with an empty state, a decode step a chunk of one token.
+Every layer runs a ``Step``: chunks of one or more sequences, each after the rows its ``History``
+holds (a prefill from position 0 is a chunk with an empty state, a decode step a chunk of one
+token). Projections, mHC and MoE run over the step's tokens at once; attention, the compressors
+and the indexers sequence by sequence (``Span``).
 
 Parameter names follow V4's Ferry names where the part is V4's (``self_attn.q_a_proj``,
 ``mlp.experts.w13`` ...) and DeepSeek's leaf names for V4.1's own parts
@@ -176,6 +178,26 @@ class Chunk:
         return V4Rope.rotate(x, cos, -sin if inverse else sin)
 
 
+@dataclass
+class Span:
+    """One sequence's rows of a step: its chunk, its history, what its layers hand up."""
+
+    rows: slice
+    chunk: Chunk
+    state: History
+    published: Published = field(default_factory=Published)
+    trace: Trace | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """A forward's sequences, their rows one after another; ``whole`` has every row's position
+    (the step's rotations at once)."""
+
+    spans: list[Span]
+    whole: Chunk
+
+
 # ---- compressor and indexer -------------------------------------------------------------------
 
 
@@ -195,20 +217,33 @@ class Compressor(nn.Module):
         self.indexer_k_proj = nn.Linear(d, config.index_head_dim, bias=False)
         self.indexer_k_norm = V4RMSNorm(config.index_head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, layer_id: int, state: History) -> torch.Tensor:
-        """x [T, hidden] (the attention's normed input) -> the new entries before RoPE
-        [T // r, head_dim], ratio 2's unfinished pair kept as the state's open rows."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] (the attention's normed input, every sequence's rows) -> ratio 1: the
+        entries before RoPE and None; ratio 2: each row's kv and score, float32."""
         if self.gate_proj is None:
-            return self.kv_norm(self.kv_proj(x))
+            return self.kv_norm(self.kv_proj(x)), None
         x = x.float()
-        kv, score = self.kv_proj(x).float(), self.gate_proj(x).float()
+        return self.kv_proj(x).float(), self.gate_proj(x).float()
+
+    def pool(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor | None,
+        layer_id: int,
+        state: History,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """One sequence's projected rows -> its new entries before RoPE [T // r, head_dim],
+        ratio 2's unfinished pair kept as the state's open rows."""
+        if score is None:
+            return kv
         if (open_rows := state.open_rows(layer_id)) is not None:
             kv, score = torch.cat([open_rows[0], kv]), torch.cat([open_rows[1], score])
         whole = kv.shape[0] - kv.shape[0] % self.ratio
         state.keep_open_rows(layer_id, kv[whole:], score[whole:])
         kv = kv[:whole].unflatten(0, (-1, self.ratio))
         weights = score[:whole].unflatten(0, (-1, self.ratio)).softmax(dim=1)
-        return self.kv_norm((kv * weights).sum(dim=1).to(x.dtype))
+        return self.kv_norm((kv * weights).sum(dim=1).to(dtype))
 
     def index_keys(self, latent: torch.Tensor) -> torch.Tensor:
         return self.indexer_k_norm(self.indexer_k_proj(latent))
@@ -225,14 +260,19 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False)
         self.scale = self.dim**-0.5 * self.heads**-0.5
 
-    def scores(
-        self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, chunk: Chunk
-    ) -> torch.Tensor:
-        """[T, entries] float32: each query's score of every entry (unmasked)."""
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, chunk: Chunk
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's query heads [T, heads, dim] (rotated, rounded as the cache rounds keys)
+        and their weights [T, heads]."""
         q = self.q_b_proj(q_latent).unflatten(-1, (self.heads, self.dim))
         q = rounded(chunk.cache.index, chunk.rotate(q, chunk.positions, "compress"))
-        # in the activations' dtype, as the reference scores (bf16 in the released model)
-        weights = self.weights_proj(x) * self.scale
+        return q, self.weights_proj(x) * self.scale
+
+    @staticmethod
+    def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """One sequence's queries against its keys [entries, dim] -> [T, entries] float32 (not
+        masked), computed in the activations' dtype as the reference scores (bf16 released)."""
         dots = torch.einsum("thd,jd->thj", q, keys.to(q.dtype)).relu()
         return (dots * weights[..., None]).sum(dim=1).float()
 
@@ -297,40 +337,57 @@ class V41Attention(nn.Module):
         self.indexer = Indexer(c) if layer_id in c.index_source_layer_ids else None
         self.scale = c.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        chunk: Chunk,
-        state: History,
-        published: Published,
-        trace: Trace | None,
-    ) -> torch.Tensor:
-        """x [T, hidden] (normed) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [T, hidden] (normed, every sequence's rows) -> [T, hidden]."""
+        whole = step.whole
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).unflatten(-1, (self.heads, self.head_dim))
-        q = chunk.rotate(q, chunk.positions, self.table)
-        kv = chunk.rotate(self.kv_norm(self.kv_proj(x)), chunk.positions, self.table)
-        kv = rounded(chunk.cache.window, kv)
+        q = whole.rotate(q, whole.positions, self.table)
+        kv = whole.rotate(self.kv_norm(self.kv_proj(x)), whole.positions, self.table)
+        kv = rounded(whole.cache.window, kv)
+        # the compressor's and indexer's projections, every row at once; the rest by sequence
+        pooled = self.compressor.project(x) if self.compressor is not None else None
+        index = self.indexer.queries(x, q_latent, whole) if self.indexer is not None else None
+        out = torch.cat(
+            [
+                self._attend(q[s.rows], kv[s.rows], s, _rows(pooled, s), _rows(index, s), x.dtype)
+                for s in step.spans
+            ]
+        )
+        out = whole.rotate(out, whole.positions, self.table, inverse=True)
+        out = out.reshape(len(x), self.config.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(out))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        span: Span,
+        pooled: tuple[torch.Tensor, torch.Tensor | None] | None,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """One sequence's rows: its queries [T, heads, head_dim] over its window and chosen
+        entries -> [T, heads, head_dim], still rotated. ``pooled`` and ``index``: its rows of
+        the compressor's and indexer's projections (None: the layer has none)."""
+        chunk, state = span.chunk, span.state
         keys, mask = self._window(kv, chunk, state)
         qf = q.float()
         # window rows, shared by every query [rows, head_dim]; chosen entries, a set per query
         # [T, k, head_dim]: scored apart, one softmax over both and the sink
         scores = [torch.einsum("thd,kd->thk", qf, keys.float()).masked_fill(~mask[:, None], NEG)]
         if self.ratio:
-            entries, chosen = self._compressed(x, q_latent, chunk, state, published, trace)
+            entries, chosen = self._compressed(span, pooled, index, dtype)
             padded = torch.cat([entries, entries.new_zeros(1, entries.shape[1])]).float()
             picked = padded[chosen.where(chosen >= 0, len(entries))]
             picked_scores = torch.einsum("thd,tkd->thk", qf, picked)
             scores.append(picked_scores.masked_fill((chosen < 0)[:, None], NEG))
-        probs = self._probabilities(torch.cat(scores, dim=-1) * self.scale, x.dtype)
+        probs = self._probabilities(torch.cat(scores, dim=-1) * self.scale, dtype)
         out = torch.einsum("thk,kd->thd", probs[..., : len(keys)], keys.float())
         if self.ratio:
             picked_probs = probs[..., len(keys) : len(keys) + chosen.shape[1]]
             out = out + torch.einsum("thk,tkd->thd", picked_probs, picked)
-        out = out.to(x.dtype)
-        out = chunk.rotate(out, chunk.positions, self.table, inverse=True)
-        out = out.reshape(len(x), self.config.o_groups, -1)
-        return self.o_b_proj(self.o_a_proj(out))
+        return out.to(dtype)
 
     def _probabilities(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Softmax over [T, heads, rows] with each head's sink in the denominator only. The
@@ -358,50 +415,43 @@ class V41Attention(nn.Module):
 
     def _compressed(
         self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        chunk: Chunk,
-        state: History,
-        published: Published,
-        trace: Trace | None,
+        span: Span,
+        pooled: tuple[torch.Tensor, torch.Tensor | None] | None,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The source's entries [n, head_dim] and each query's chosen ones [T, index_topk]."""
         c, r = self.config, self.ratio
+        chunk, state, published = span.chunk, span.state, span.published
+        device = chunk.positions.device
         source = c.kv_source_of(self.layer_id)
         assert source is not None
         if self.compressor is not None:
+            assert pooled is not None
             done = state.length // r
-            latent = self.compressor(x, self.layer_id, state)
-            where = torch.arange(done, done + len(latent), device=x.device) * r
+            latent = self.compressor.pool(*pooled, self.layer_id, state, dtype)
+            where = torch.arange(done, done + len(latent), device=device) * r
             rotated = rounded(chunk.cache.entries, chunk.rotate(latent, where, "compress"))
             keys = chunk.rotate(self.compressor.index_keys(latent), where, "compress")
             keys = rounded(chunk.cache.index, keys)
             state.add_entries(source, rotated, keys)
         entries = state.entries(source)
         if entries is None:
-            entries = x.new_zeros(0, c.head_dim)
-        if self.indexer is not None:
-            published.topk = self._choose(x, q_latent, chunk, state, published, trace)
+            entries = torch.zeros(0, c.head_dim, dtype=dtype, device=device)
+        if index is not None:
+            published.topk = self._choose(span, *index)
         assert published.topk is not None
         return entries, published.topk
 
-    def _choose(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        chunk: Chunk,
-        state: History,
-        published: Published,
-        trace: Trace | None,
-    ) -> torch.Tensor:
+    def _choose(self, span: Span, q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c, r, layer = self.config, self.ratio, self.layer_id
-        assert self.indexer is not None
+        chunk, state, published, trace = span.chunk, span.state, span.published, span.trace
         source = c.kv_source_of(layer)  # the latest key owner at or below: same ratio
         assert source is not None
         keys = state.index_keys(source)
         reachable = (chunk.positions + 1) // r  # entries j < (t + 1) // r
-        scores = self.indexer.scores(x, q_latent, keys, chunk)
-        future = torch.arange(len(keys), device=x.device)[None, :] >= reachable[:, None]
+        scores = Indexer.scores(q, weights, keys)
+        future = torch.arange(len(keys), device=q.device)[None, :] >= reachable[:, None]
         scores = scores.masked_fill(future, -torch.inf)
         if layer == c.candidate_source_layer_id:
             published.candidates = candidate_blocks(
@@ -416,6 +466,13 @@ class V41Attention(nn.Module):
         if trace is not None:
             trace.topk[layer] = chosen
         return chosen
+
+
+def _rows(projected: tuple[torch.Tensor | None, ...] | None, span: Span) -> tuple | None:
+    """A span's rows of each of a step's projections (None: none)."""
+    if projected is None:
+        return None
+    return tuple(t if t is None else t[span.rows] for t in projected)
 
 
 # ---- MoE ----------------------------------------------------------------------------------------

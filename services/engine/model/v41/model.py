@@ -25,7 +25,8 @@ from ferry.services.engine.model.v41.kv_cache import V41KVCache, v41_cache_spec
 from ferry.services.engine.model.v41.layers import (
     Chunk,
     History,
-    Published,
+    Span,
+    Step,
     Trace,
     V41Attention,
     V41HyperConnection,
@@ -58,27 +59,22 @@ class V41DecoderLayer(nn.Module):
         )
 
     def forward(
-        self,
-        streams: torch.Tensor,
-        pre_mix: torch.Tensor,
-        chunk: Chunk,
-        state: History,
-        published: Published,
-        trace: Trace | None,
+        self, streams: torch.Tensor, pre_mix: torch.Tensor, step: Step
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc, hidden], pre_mix [T, hc] (the previous layer's FFN pre-mix) -> the
         streams after attention and MoE, and this layer's FFN pre-mix for the next one."""
         attn_pre, post, comb = self.attn_hc.coefficients(streams)
         x = self.input_layernorm(V41HyperConnection.collapse(streams, pre_mix))
-        x = self.self_attn(x, chunk, state, published, trace)
+        x = self.self_attn(x, step)
         streams = HyperConnection.expand(streams, x, post, comb)
         ffn_pre, post, comb = self.ffn_hc.coefficients(streams)
         h = self.post_attention_layernorm(V41HyperConnection.collapse(streams, attn_pre))
         weights, ids = self.mlp.route(h, None)
         if self.mlp.expert_load is not None:
             self.mlp.expert_load.add(self.mlp.moe_layer, ids)
-        if trace is not None:
-            trace.experts[self.layer_id] = ids.sort(dim=-1).values
+        for span in step.spans:
+            if span.trace is not None:
+                span.trace.experts[self.layer_id] = ids[span.rows].sort(dim=-1).values
         x = self.mlp.apply_experts(h, weights, ids)
         return HyperConnection.expand(streams, x, post, comb), ffn_pre
 
@@ -144,10 +140,13 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         self.rope = V4Rope(config)  # type: ignore[arg-type]
         self.hasher: EngramHash | None = None
         self.cache_format = AUTO
-        # a ratio-2 source pools in float32, its projections too (the reference's choice)
+        # a ratio-2 source pools in float32, its two projections too (the reference's choice)
         pooled = "|".join(str(i) for i in config.kv_source_layer_ids if config.ratio(i) == 2)
         if pooled:
-            self.keep_fp32 = (*KEEP_FP32, rf"layers\.({pooled})\.self_attn\.compressor")
+            self.keep_fp32 = (
+                *KEEP_FP32,
+                rf"layers\.({pooled})\.self_attn\.compressor\.(kv|gate)_proj",
+            )
 
     def decoder_layers(self) -> Iterable[nn.Module]:
         return iter(self.model.layers)
@@ -183,22 +182,42 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         of the slot. Returns the final hidden states [num_tokens, hidden]."""
         if batch.decode is not None:
             raise ValueError("DeepSeek-V4.1 runs every sequence on the expanded path")
-        out = []
+        # each sequence's pieces: (first row, end row, snapshot to take after it or -1)
+        pieces: list[list[tuple[int, int, int]]] = []
+        histories: list[History] = []
         for span in batch.prefill:
             if span.state_slot < 0:
                 raise ValueError("a DeepSeek-V4.1 sequence needs a state slot")
             n = span.q_end - span.q_start
-            history = kv_cache.history(span.state_slot, span.block_ids, span.ctx_len - n)
-            at = span.q_start
+            histories.append(kv_cache.history(span.state_slot, span.block_ids, span.ctx_len - n))
+            own, at = [], span.q_start
             for position, snapshot in sorted(span.snapshots):
                 upto = span.q_start + position - (span.ctx_len - n)
-                if upto > at:
-                    out.append(self.forward_chunk(input_ids[at:upto], history))
-                    at = upto
-                kv_cache.save(span.state_slot, snapshot)
+                own.append((at, upto, snapshot))
+                at = upto
             if at < span.q_end:
-                out.append(self.forward_chunk(input_ids[at : span.q_end], history))
-        return torch.cat(out)
+                own.append((at, span.q_end, -1))
+            pieces.append(own)
+        # round r runs every sequence's r-th piece together: one piece each, but for a
+        # prefill that passes a block boundary the prefix cache snapshots
+        out = input_ids.new_empty(len(input_ids), self.config.hidden_size, dtype=self.dtype)
+        for r in range(max(map(len, pieces), default=0)):
+            now = [
+                (own[r], h, span)
+                for own, h, span in zip(pieces, histories, batch.prefill, strict=True)
+                if r < len(own)
+            ]
+            ran = [(input_ids[a:b], h) for (a, b, _), h, _ in now if b > a]
+            if ran:
+                hidden = self.forward_sequences(ran)
+                at = 0
+                for (a, b, _), _, _ in now:
+                    out[a:b] = hidden[at : at + b - a]
+                    at += b - a
+            for (_, _, snapshot), _, span in now:
+                if snapshot >= 0:
+                    kv_cache.save(span.state_slot, snapshot)
+        return out
 
     def attach_checkpoint_files(self, path: Path) -> None:
         """Engram's compressed token map comes from the checkpoint's tokenizer.json."""
@@ -215,35 +234,58 @@ class DeepseekV41ForCausalLM(MoECausalLM):
     ) -> torch.Tensor:
         """input_ids [T]: the sequence's tokens at ``state.length`` onwards. Returns the final
         hidden states [T, hidden]; ``state`` then holds them too."""
+        return self.forward_sequences([(input_ids, state)], [trace])
+
+    def forward_sequences(
+        self,
+        chunks: list[tuple[torch.Tensor, History]],
+        traces: list[Trace | None] | None = None,
+    ) -> torch.Tensor:
+        """Chunks of several sequences as one step, each [T_i] tokens at its history's length
+        onwards: the final hidden states of all of them, one after another [sum T_i, hidden]."""
         c = self.config
-        start = state.length
-        state.begin(len(input_ids))
-        positions = torch.arange(start, start + len(input_ids), device=input_ids.device)
-        chunk = Chunk(positions, self.rope, self.cache_format)
-        hashes = None
-        if c.engram_layer_ids:
-            if self.hasher is None:
-                raise RuntimeError("DeepSeek-V4.1's Engram needs the tokenizer: load a checkpoint")
-            lookback = state.engram_lookback()
-            if lookback is None:
-                lookback = self.hasher.start_lookback()
-            hashes, lookback = self.hasher.extend(lookback, input_ids)
-            state.keep_engram_lookback(lookback)
+        spans, hashes, at = [], [], 0
+        for i, (ids, state) in enumerate(chunks):
+            start = state.length
+            state.begin(len(ids))
+            positions = torch.arange(start, start + len(ids), device=ids.device)
+            chunk = Chunk(positions, self.rope, self.cache_format)
+            trace = traces[i] if traces else None
+            spans.append(Span(slice(at, at + len(ids)), chunk, state, trace=trace))
+            at += len(ids)
+            if c.engram_layer_ids:
+                hashes.append(self._engram_hashes(ids, state))
+        input_ids = torch.cat([ids for ids, _ in chunks])
+        whole = torch.cat([s.chunk.positions for s in spans])
+        step = Step(spans, Chunk(whole, self.rope, self.cache_format))
+        engram = torch.cat(hashes) if hashes else None
         streams = self.model.embed_tokens(input_ids)[:, None, :]
         streams = streams.expand(-1, c.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(len(input_ids), c.hc_mult, device=input_ids.device)
         pre_mix[:, 0] = 1.0  # the first sublayer takes stream 0
-        published = Published()
         layer: V41DecoderLayer
         for layer in self.model.layers:  # type: ignore[assignment]
             if layer.engram is not None:
-                assert hashes is not None
-                streams = layer.engram(streams, hashes[:, layer.engram.hash_index])
-            streams, pre_mix = layer(streams, pre_mix, chunk, state, published, trace)
-            if trace is not None:
-                trace.block_out[layer.layer_id] = streams
-        state.end()
+                assert engram is not None
+                streams = layer.engram(streams, engram[:, layer.engram.hash_index])
+            streams, pre_mix = layer(streams, pre_mix, step)
+            for span in spans:
+                if span.trace is not None:
+                    span.trace.block_out[layer.layer_id] = streams[span.rows]
+        for span in spans:
+            span.state.end()
         return self.model.norm(V41HyperConnection.collapse(streams, pre_mix))
+
+    def _engram_hashes(self, input_ids: torch.Tensor, state: History) -> torch.Tensor:
+        """The chunk's Engram rows ([T, layers, columns]), its look-back carried in ``state``."""
+        if self.hasher is None:
+            raise RuntimeError("DeepSeek-V4.1's Engram needs the tokenizer: load a checkpoint")
+        lookback = state.engram_lookback()
+        if lookback is None:
+            lookback = self.hasher.start_lookback()
+        hashes, lookback = self.hasher.extend(lookback, input_ids)
+        state.keep_engram_lookback(lookback)
+        return hashes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
