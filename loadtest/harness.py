@@ -61,11 +61,18 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def git_commit() -> str:
-    """The checkout's short commit ("" outside a git checkout)."""
+    """The checkout's short commit, "+changes" when code differs from it (results aside; ""
+    outside a git checkout)."""
     run = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     )
-    return run.stdout.strip()
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!loadtest/results"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return run.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def machine(note: str = "", **extra: Any) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from ferry.services.engine.expert_parallel import EPGroup
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -187,7 +186,7 @@ class Rebalancer:
         p = self.placement
         old, new = p.slot_to_logical[layer].tolist(), m.order.slot_to_logical[layer].tolist()
         moves = layer_moves(old, new, p.slots_per_rank)
-        experts = _moe_layers(self.model)[layer].experts
+        experts = self.model.moe_layers()[layer].experts
         sent, received = exchange_weights(
             [experts.w13, experts.w2], moves, p.slots_per_rank, self.group
         )
@@ -248,13 +247,9 @@ def _rows(weights: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
     return torch.cat([w.detach()[idx].reshape(len(idx), w[0].numel()) for w in weights], dim=1)
 
 
-def _moe_layers(model: torch.nn.Module) -> list[MoE]:
-    """The model's MoE layers in placement-row order."""
-    return sorted((m for m in model.modules() if isinstance(m, MoE)), key=lambda m: m.moe_layer)
-
-
 def set_placement(model: MoECausalLM, placement: ExpertPlacement) -> None:
-    """Make ``placement`` the map of the model and every MoE layer."""
+    """Make ``placement`` the map of the model and every MoE layer it places (not a drafter's:
+    V4.1's DSpark stages keep every expert of theirs)."""
     model.placement = placement
-    for moe in _moe_layers(model):
+    for moe in model.moe_layers():
         moe.placement = placement

@@ -24,6 +24,7 @@ from torch import nn
 
 from ferry.kernels.fused_moe.reference import fused_moe_gathered
 from ferry.services.engine.decode_graphs import export_and_compile, unlike
+from ferry.services.engine.model.causal_lm import MoECausalLM
 from ferry.services.engine.model.mhc import HyperConnection
 from ferry.services.engine.model.moe import MoE
 
@@ -62,12 +63,13 @@ class _Experts(nn.Module):
         return fused_moe_gathered(hidden, w13, w2, topk_weights, topk_slots, self.swiglu_limit)
 
 
-def compile_pieces(model: nn.Module, max_batch: int, log: Log | None = None) -> int:
-    """Give ``model``'s hyper-connections their compiled mixing (``hc.compiled``) and its MoE
-    layers their compiled experts for up to ``max_batch`` tokens (``moe.small_batch``; not on
-    a DEP rank, whose experts are on several ranks). One graph per distinct configuration;
-    returns how many."""
+def compile_pieces(model: MoECausalLM, max_batch: int, log: Log | None = None) -> int:
+    """Give ``model``'s hyper-connections their compiled mixing (``hc.compiled``) and its
+    decoder's MoE layers their compiled experts for up to ``max_batch`` tokens
+    (``moe.small_batch``; not on a DEP rank, whose experts are on several ranks; not a drafter's,
+    which speculative decoding runs). One graph per distinct configuration; returns how many."""
     graphs: dict[tuple[object, ...], Compiled] = {}
+    decoder = set(model.moe_layers())
     for m in model.modules():
         if isinstance(m, HyperConnection) and m.mixes_in_forward:
             key: tuple[object, ...] = (m.hc, m.iters, m.eps, m.norm.eps, m.fn.shape, m.fn.dtype)
@@ -76,7 +78,8 @@ def compile_pieces(model: nn.Module, max_batch: int, log: Log | None = None) -> 
                     log(f"compiling the hyper-connection mixing ({len(graphs) + 1})")
                 graphs[key] = _compile_mix(m)
             m.compiled = graphs[key]
-        elif isinstance(m, MoE) and m.ep_group is None and max_batch >= 1:
+        elif m in decoder and m.ep_group is None and max_batch >= 1:
+            assert isinstance(m, MoE)
             w13, w2 = m.experts.w13, m.experts.w2
             key = (m.swiglu_limit, w13.shape, w2.shape, w13.dtype)
             if key not in graphs:

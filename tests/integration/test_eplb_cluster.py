@@ -1,4 +1,5 @@
-"""Live rebalancing in a real `ferry up` cluster, DeepSeek-V3 and V4: a decode DEP group of two
+"""Live rebalancing in a real `ferry up` cluster, DeepSeek-V3, V4 and V4.1 (the last in `make
+test-slow`): a decode DEP group of two
 ranks with redundant experts and a skewed router serves 32 streaming requests, prefilled on a
 prefill worker; the EPLB controller rebalances it in the middle (the Rebalance RPC). Every
 output equals the in-process engine's (no rebalancing there), no request fails, for V3 the
@@ -25,9 +26,11 @@ from tests.waits import wait_until_async
 SKEW, TOKENS = "0.5", 128
 
 
-@pytest.fixture(scope="module", params=["tiny", "v4-tiny"])
+@pytest.fixture(
+    scope="module", params=["tiny", "v4-tiny", pytest.param("v41-tiny", marks=pytest.mark.slow)]
+)
 def model(request: pytest.FixtureRequest) -> str:
-    """DeepSeek-V3 and V4 (whose hand-offs carry the state slot into the DEP ranks)."""
+    """DeepSeek-V3, V4 and V4.1 (whose hand-offs carry the state slot into the DEP ranks)."""
     return str(request.param)
 
 

@@ -14,6 +14,8 @@ become 890, its windows' 5.4 MiB a request 2.8.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ferry.services.engine.model.cache_spec import CacheSpec, PagedGroup, StateRing
@@ -73,18 +75,33 @@ class V41KVCache(StateCache):
             ids = [s for s in config.kv_source_layer_ids if config.ratio(s) == r]
             self.source_row.update({s: i for i, s in enumerate(ids)})
 
-    def history(self, slot: int, block_ids: torch.Tensor, length: int) -> PagedHistory:
-        return PagedHistory(self, slot, block_ids, length)
+    def history(
+        self,
+        slot: int,
+        block_ids: torch.Tensor,
+        length: int,
+        snapshots: Sequence[tuple[int, int]] = (),
+    ) -> PagedHistory:
+        return PagedHistory(self, slot, block_ids, length, snapshots)
 
 
 class PagedHistory(History):
     """One sequence's history in the engine's cache: its compressed entries and index keys in
     its blocks (entry e of a ratio-r group in block ``block_ids[e // (block_size / r)]``), its
     windows, open rows and Engram look-back in its state slot, each row ``p`` at ``p % rows``.
-    A slot's rows from an earlier request are never read: ``length`` says what is there."""
+    A slot's rows from an earlier request are never read: ``length`` says what is there.
+    A snapshot is written where the chunk passes its position, into the snapshot's rings."""
 
-    def __init__(self, cache: V41KVCache, slot: int, block_ids: torch.Tensor, length: int) -> None:
+    def __init__(
+        self,
+        cache: V41KVCache,
+        slot: int,
+        block_ids: torch.Tensor,
+        length: int,
+        snapshots: Sequence[tuple[int, int]] = (),
+    ) -> None:
         self.cache, self.slot, self.blocks, self.length = cache, slot, block_ids, length
+        self.snapshots = snapshots
         self.config = cache.config
         self._added: dict[int, int] = {}  # entries this chunk wrote, per source
 
@@ -110,6 +127,11 @@ class PagedHistory(History):
         ring = self._ring("swa", layer)
         end = self.length + self._chunk_tokens
         positions = torch.arange(end - len(rows), end)
+        ring[positions % ring.shape[0]] = self._store(self.cache.format.window, rows)
+
+    def snapshot_window(self, layer: int, snapshot: int, position: int, rows: torch.Tensor) -> None:
+        ring = self.cache.tensors["snap_swa"][layer, snapshot]
+        positions = torch.arange(position - len(rows), position)
         ring[positions % ring.shape[0]] = self._store(self.cache.format.window, rows)
 
     def _group(self, kind: str, source: int) -> torch.Tensor:
@@ -173,6 +195,9 @@ class PagedHistory(History):
 
     def keep_engram_lookback(self, ids: torch.Tensor) -> None:
         self._ring("engram_ids", 0)[:, 0] = ids
+
+    def snapshot_engram_lookback(self, snapshot: int, ids: torch.Tensor) -> None:
+        self.cache.tensors["snap_engram_ids"][0, snapshot, :, 0] = ids
 
     def end(self) -> None:
         super().end()

@@ -22,6 +22,7 @@ Parameter names follow V4's Ferry names where the part is V4's (``self_attn.q_a_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ class History:
     in its blocks and the request's state slot (``kv_cache.PagedHistory``)."""
 
     length: int  # tokens before the chunk
+    # (position, snapshot): the prefix cache keeps what a block boundary inside the chunk holds,
+    # the history after ``position`` tokens, as ``snapshot`` (the engine's cache only)
+    snapshots: Sequence[tuple[int, int]] = ()
     _chunk_tokens: int = 0
 
     def begin(self, tokens: int) -> None:
@@ -66,6 +70,10 @@ class History:
 
     def keep_window(self, layer: int, rows: torch.Tensor) -> None:
         """The window's rows after the chunk (its last ``sliding_window``), oldest first."""
+        raise NotImplementedError
+
+    def snapshot_window(self, layer: int, snapshot: int, position: int, rows: torch.Tensor) -> None:
+        """The window's rows after ``position`` tokens, for ``snapshot``."""
         raise NotImplementedError
 
     def entries(self, source: int) -> torch.Tensor | None:
@@ -90,6 +98,9 @@ class History:
         raise NotImplementedError
 
     def keep_engram_lookback(self, ids: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def snapshot_engram_lookback(self, snapshot: int, ids: torch.Tensor) -> None:
         raise NotImplementedError
 
 
@@ -410,6 +421,9 @@ class V41Attention(nn.Module):
         rows = torch.cat([before.to(kv), kv])
         state.keep_window(self.layer_id, rows[-w:])
         key_pos = torch.arange(chunk.start - len(before), chunk.end, device=kv.device)
+        for position, snapshot in state.snapshots:
+            before_it = rows[key_pos < position][-w:]
+            state.snapshot_window(self.layer_id, snapshot, position, before_it)
         q_pos = chunk.positions[:, None]
         return rows, (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - w)
 

@@ -6,7 +6,7 @@ the head."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -178,46 +178,19 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: V41KVCache
     ) -> torch.Tensor:
         """input_ids [num_tokens]: each sequence of ``batch`` continues from its blocks and
-        state slot, one after another; a chunk splits where the prefix cache keeps a snapshot
-        of the slot. Returns the final hidden states [num_tokens, hidden]."""
+        state slot, all in one step (a DEP rank's MoE layers exchange tokens once a step); a
+        block boundary the prefix cache snapshots is written as the layers pass it. Returns
+        the final hidden states [num_tokens, hidden]."""
         if batch.decode is not None:
             raise ValueError("DeepSeek-V4.1 runs every sequence on the expanded path")
-        # each sequence's pieces: (first row, end row, snapshot to take after it or -1)
-        pieces: list[list[tuple[int, int, int]]] = []
-        histories: list[History] = []
+        chunks = []
         for span in batch.prefill:
             if span.state_slot < 0:
                 raise ValueError("a DeepSeek-V4.1 sequence needs a state slot")
-            n = span.q_end - span.q_start
-            histories.append(kv_cache.history(span.state_slot, span.block_ids, span.ctx_len - n))
-            own, at = [], span.q_start
-            for position, snapshot in sorted(span.snapshots):
-                upto = span.q_start + position - (span.ctx_len - n)
-                own.append((at, upto, snapshot))
-                at = upto
-            if at < span.q_end:
-                own.append((at, span.q_end, -1))
-            pieces.append(own)
-        # round r runs every sequence's r-th piece together: one piece each, but for a
-        # prefill that passes a block boundary the prefix cache snapshots
-        out = input_ids.new_empty(len(input_ids), self.config.hidden_size, dtype=self.dtype)
-        for r in range(max(map(len, pieces), default=0)):
-            now = [
-                (own[r], h, span)
-                for own, h, span in zip(pieces, histories, batch.prefill, strict=True)
-                if r < len(own)
-            ]
-            ran = [(input_ids[a:b], h) for (a, b, _), h, _ in now if b > a]
-            if ran:
-                hidden = self.forward_sequences(ran)
-                at = 0
-                for (a, b, _), _, _ in now:
-                    out[a:b] = hidden[at : at + b - a]
-                    at += b - a
-            for (_, _, snapshot), _, span in now:
-                if snapshot >= 0:
-                    kv_cache.save(span.state_slot, snapshot)
-        return out
+            start = span.ctx_len - (span.q_end - span.q_start)
+            history = kv_cache.history(span.state_slot, span.block_ids, start, span.snapshots)
+            chunks.append((input_ids[span.q_start : span.q_end], history))
+        return self.forward_sequences(chunks)
 
     def attach_checkpoint_files(self, path: Path) -> None:
         """Engram's compressed token map comes from the checkpoint's tokenizer.json."""
@@ -238,7 +211,7 @@ class DeepseekV41ForCausalLM(MoECausalLM):
 
     def forward_sequences(
         self,
-        chunks: list[tuple[torch.Tensor, History]],
+        chunks: Sequence[tuple[torch.Tensor, History]],
         traces: list[Trace | None] | None = None,
     ) -> torch.Tensor:
         """Chunks of several sequences as one step, each [T_i] tokens at its history's length
@@ -283,8 +256,13 @@ class DeepseekV41ForCausalLM(MoECausalLM):
         lookback = state.engram_lookback()
         if lookback is None:
             lookback = self.hasher.start_lookback()
-        hashes, lookback = self.hasher.extend(lookback, input_ids)
-        state.keep_engram_lookback(lookback)
+        hashes, after = self.hasher.extend(lookback, input_ids)
+        state.keep_engram_lookback(after)
+        if state.snapshots:  # the look-back at a position: the ids of the tokens before it
+            seen = torch.cat([lookback, self.hasher.compress(input_ids)])
+            for position, snapshot in state.snapshots:
+                at = position - state.length
+                state.snapshot_engram_lookback(snapshot, seen[at : at + len(lookback)])
         return hashes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
