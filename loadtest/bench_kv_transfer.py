@@ -1,13 +1,20 @@
 """KV transfer bandwidth and latency between two processes on this host, side by side.
 
 For each layout (the `small` preset's cache, and DeepSeek-V3's: 61 layers x 576 values x bf16,
-on a synthetic cache) and 1k / 8k / 32k tokens: one-shot GB/s over `ucx` and `grpc` (an exporter
+on a synthetic cache; or DeepSeek-V4.1-Flash's, bf16 or FP8, whose pulls also move the request's
+state slot) and 1k / 8k / 32k tokens: one-shot GB/s over `ucx` and `grpc` (an exporter
 process, this process importing), a local gather + scatter of the same blocks (the memory
 bandwidth ceiling), and UCX's own `ucx_perftest -t tag_bw` at the same message size (the ceiling
 of UCX itself; each one-shot ucx row records its share of it as "of_ucx_perftest"). Then p50/p99
 latency of a 1k-token pull under 16 concurrent pulls.
 
     python loadtest/bench_kv_transfer.py            # writes loadtest/results/kv_transfer.json
+    python loadtest/bench_kv_transfer.py --layouts deepseek-v4.1-flash,deepseek-v4.1-flash-fp8 \
+        --out loadtest/results/kv_transfer-v41.json
+
+A transport moves a block as one run of bytes whatever it holds, so V4.1's layouts are stood in
+for by one group of as many bytes a block (its paged groups'), and each pull of t tokens moves
+t / 64 blocks and the state slot's blocks (``CacheSpec.state_blocks``), as a hand-off does.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ import torch
 from harness import record, write_result
 
 from ferry.services.engine.kv_cache import KVCacheManager
+from ferry.services.engine.model.cache_spec import CacheSpec
+from ferry.services.engine.model.full_size import DEEPSEEK_V41_FLASH
+from ferry.services.engine.model.v41.kv_cache import v41_cache_spec
+from ferry.services.engine.model.v41.quant import CacheFormat
 from ferry.services.kv_transfer.endpoints import KvImporter
 from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
 from ferry.services.kv_transfer.staging import gather_blocks, scatter_blocks
@@ -34,7 +45,23 @@ from ferry.services.kv_transfer.transport import create_transport
 from ferry.services.kv_transfer.ucx import UCX_DEFAULTS
 
 BLOCK = 64
-LAYOUTS = {"small": (6, 160, "float32"), "deepseek-v3": (61, 576, "bfloat16")}
+
+
+def _stand_in(spec: CacheSpec) -> tuple[int, int, str, int]:
+    """A bf16 cache of ``spec``'s as (layers, dim, dtype, state blocks) of one group: the same
+    bytes a block, and the blocks a request's state slot takes."""
+    size = spec.bytes_per_block(BLOCK, 2)
+    assert size % (BLOCK * 2) == 0, size
+    return 1, size // (BLOCK * 2), "bfloat16", spec.state_blocks(BLOCK, 2)
+
+
+# name -> (layers, dim, dtype, state blocks a pull moves besides its tokens')
+LAYOUTS = {
+    "small": (6, 160, "float32", 0),
+    "deepseek-v3": (61, 576, "bfloat16", 0),
+    "deepseek-v4.1-flash": _stand_in(v41_cache_spec(DEEPSEEK_V41_FLASH)),
+    "deepseek-v4.1-flash-fp8": _stand_in(v41_cache_spec(DEEPSEEK_V41_FLASH, CacheFormat("fp8"))),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Block placement on both sides: "contiguous" ids (one run per transfer, as a fresh cache hands
 # out) move in place; "scattered" (random ids on both sides) are staged and copied on both sides.
@@ -82,8 +109,9 @@ async def measure(
     tokens: list[int],
     repeats: int,
     concurrent: int,
+    state: int,
 ) -> list[dict[str, object]]:
-    n_max = max(tokens) // BLOCK
+    n_max = max(tokens) // BLOCK + state
     (g,) = layout.groups
     cache = torch.zeros(g.num_layers, n_max, BLOCK, g.dim, dtype=DTYPES[layout.dtype])
     imp = KvImporter(
@@ -97,7 +125,7 @@ async def measure(
     rows: list[dict[str, object]] = []
     perm = torch.randperm(n_max, generator=torch.Generator().manual_seed(7)).tolist()
     for t in tokens:
-        n = t // BLOCK
+        n = t // BLOCK + state
         dst = list(range(n)) if blocks == "contiguous" else perm[:n]
         times = []
         for _ in range(repeats + 1):  # the first pull warms the connection and the buffers
@@ -118,7 +146,14 @@ async def measure(
     if concurrent:
         rows.append(
             await _concurrent_latency(
-                imp, queue, blocks, tokens[0] // BLOCK, n_max, perm, concurrent
+                imp,
+                queue,
+                blocks,
+                tokens[0] // BLOCK + state,
+                n_max,
+                perm,
+                concurrent,
+                tokens[0],
             )
         )
     await imp.transport.close()
@@ -133,8 +168,10 @@ async def _concurrent_latency(
     n_max: int,
     perm: list[int],
     concurrent: int,
+    tokens: int,
 ) -> dict[str, object]:
-    """p50/p99 of ``n``-block pulls, ``concurrent`` at a time, four rounds."""
+    """p50/p99 of ``n``-block pulls (``tokens`` and the state's), ``concurrent`` at a time, four
+    rounds."""
     lat: list[float] = []
     for _ in range(4):
 
@@ -153,7 +190,8 @@ async def _concurrent_latency(
     return {
         "transport": imp.transport.name,
         "blocks": blocks,
-        "tokens": n * BLOCK,
+        "tokens": tokens,
+        "blocks_per_pull": n,
         "concurrent": concurrent,
         "p50_ms": lat[len(lat) // 2] * 1e3,
         "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
@@ -161,16 +199,16 @@ async def _concurrent_latency(
 
 
 def local_copy(
-    layout: LayoutFingerprint, tokens: list[int], repeats: int
+    layout: LayoutFingerprint, tokens: list[int], repeats: int, state: int
 ) -> list[dict[str, object]]:
-    n_max = max(tokens) // BLOCK
+    n_max = max(tokens) // BLOCK + state
     dtype = DTYPES[layout.dtype]
     (g,) = layout.groups
     src = torch.ones(g.num_layers, n_max, BLOCK, g.dim, dtype=dtype)
     dst = torch.zeros_like(src)
     rows: list[dict[str, object]] = []
     for t in tokens:
-        n = t // BLOCK
+        n = t // BLOCK + state
         ids = list(range(n))
         buf = torch.empty(g.num_layers, n, BLOCK, g.dim, dtype=dtype)
         times = []
@@ -274,10 +312,10 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     results: list[dict[str, object]] = []
     for name in args.layouts.split(","):
-        layers, dim, dtype = LAYOUTS[name]
+        layers, dim, dtype, state = LAYOUTS[name]
         layout = LayoutFingerprint.latent("test-model", dtype, layers, dim, BLOCK)
-        sizes = [t // BLOCK for t in tokens for _ in range(args.repeats + 1)] + [
-            tokens[0] // BLOCK
+        sizes = [t // BLOCK + state for t in tokens for _ in range(args.repeats + 1)] + [
+            tokens[0] // BLOCK + state
         ] * (4 * args.concurrent)
         runs = [tuple(r.split(":")) for r in args.runs.split(",")]
         for transport, blocks in runs:
@@ -285,7 +323,14 @@ def main() -> None:
             try:
                 rows = asyncio.run(
                     measure(
-                        transport, blocks, layout, handles, tokens, args.repeats, args.concurrent
+                        transport,
+                        blocks,
+                        layout,
+                        handles,
+                        tokens,
+                        args.repeats,
+                        args.concurrent,
+                        state,
                     )
                 )
             finally:
@@ -295,9 +340,10 @@ def main() -> None:
             print(f"{name} {transport} {blocks}: {rows}", flush=True)
         if args.no_ceilings:
             continue
-        results += [{**r, "layout": name} for r in local_copy(layout, tokens, args.repeats)]
+        copies = local_copy(layout, tokens, args.repeats, state)
+        results += [{**r, "layout": name} for r in copies]
         for t in tokens:
-            nbytes = t // BLOCK * layout.block_bytes
+            nbytes = (t // BLOCK + state) * layout.block_bytes
             results.append(
                 {
                     "transport": "ucx_perftest",
