@@ -20,8 +20,16 @@ from typing import IO, TypeVar
 import grpc
 
 from ferry.infra.ports import free_port
-from ferry.protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from ferry.protos import (
+    common_pb2,
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from ferry.services.common.cluster_state import ClusterState, LoadReport, WorkerView
+from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
+from ferry.services.worker.convert import kv_handle_to_pb
 from tests.waits import wait_until
 
 T = TypeVar("T")
@@ -356,3 +364,63 @@ def cancel_mid_stream(c: Cluster, prompts: list[list[int]], role: str) -> None:
 
     asyncio.run(main())
     c.wait_for("every block free after the cancel", c.all_blocks_free, 30)
+
+
+def refused_handle(c: Cluster, layout: LayoutFingerprint) -> grpc.aio.AioRpcError:
+    """A decode worker's answer to a handle of ``layout`` that names the prefill worker's KV
+    address (20 tokens, one block): the error it ends the call with."""
+    (prefill,) = c.views("prefill")
+    host, port = prefill.record.kv_address.rsplit(":", 1)
+    handle = KvHandle(
+        "t-other", "prefill-other", host, int(port), 20, 64, 1, layout, time.time() + 30
+    )
+    decoder = c.views("decode")[0]
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(decoder.record.address) as ch:
+            stub = decode_worker_pb2_grpc.DecodeWorkerStub(ch)
+            request = decode_worker_pb2.DecodeRequest(
+                request_id="other-handle",
+                prompt_token_ids=list(range(1, 21)),
+                sampling_params=greedy(4),
+                first_token_id=7,
+                kv_handle=kv_handle_to_pb(handle),
+            )
+            try:
+                async for _ in stub.Decode(request, timeout=10):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e
+        raise AssertionError("the decode worker took a handle of another layout")
+
+    return asyncio.run(call())
+
+
+def kill_its_decode_worker(
+    c: Cluster, prompt: list[int], params: common_pb2.SamplingParams, after: int
+) -> tuple[list[int], int, str]:
+    """``prompt`` streamed through the scheduler; once ``after`` tokens came, kill -9 of the
+    decode worker streaming it. Returns (every token the client got, how many before the kill,
+    the killed worker's id)."""
+
+    async def main() -> tuple[list[int], int, str]:
+        sent_at = time.time()
+        killed_after, victim = 0, ""
+        tokens: list[int] = []
+        async with grpc.aio.insecure_channel(c.scheduler) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            call = stub.Generate(
+                scheduler_pb2.GenerateRequest(
+                    request_id="moved", prompt_token_ids=prompt, sampling_params=params
+                ),
+                timeout=120,
+            )
+            async for chunk in call:
+                tokens += chunk.token_ids
+                if not killed_after and len(tokens) >= after:
+                    victim = await asyncio.to_thread(c.streaming_decode_worker, sent_at)
+                    c.signal(victim, signal.SIGKILL)
+                    killed_after = len(tokens)
+        return tokens, killed_after, victim
+
+    return asyncio.run(asyncio.wait_for(main(), 150))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -382,38 +382,47 @@ def test_layout_mismatch_is_refused_before_any_byte(transport: str) -> None:
         assert not cache.any() and kv.usage()["in_use"] == 0
 
 
-def test_a_deepseek_v3_cache_refuses_a_v4_handle() -> None:
-    """A V4 prefill worker's handle (three paged groups and a state slot) reaching a V3 decode
-    worker (one latent group): refused before any byte, saying the models differ."""
+def _v4_flash() -> LayoutFingerprint:
     from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
     from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 
-    v4 = LayoutFingerprint.of("v4", "bfloat16", 128, v4_cache_spec(DEEPSEEK_V4_FLASH))
-    handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 200, 128, 2 + v4.state_blocks, v4, 0.0)
-    cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
-    kv = KVCacheManager(BLOCKS, BS)
-    imp = KvImporter(create_transport("local"), cache, kv, LAYOUT)
-    with pytest.raises(LayoutMismatch, match=r"csa_kv.*state swa.*this one latent.*kinds of model"):
-        asyncio.run(_pull_once(imp, handle))
-    assert kv.usage()["in_use"] == 0
+    return LayoutFingerprint.of("v4", "bfloat16", 128, v4_cache_spec(DEEPSEEK_V4_FLASH))
 
 
-def test_a_bf16_cache_refuses_an_fp8_handle() -> None:
-    """V4.1 prefill with ``--kv-cache-dtype fp8`` handing off to a decode worker without it:
-    refused before any byte, naming the flag."""
+def _v41_flash(kv_cache_dtype: str) -> LayoutFingerprint:
     from ferry.services.engine.model.full_size import DEEPSEEK_V41_FLASH
     from ferry.services.engine.model.v41.kv_cache import v41_cache_spec
     from ferry.services.engine.model.v41.quant import CacheFormat
 
-    fp8 = LayoutFingerprint.of(
-        "v41", "bfloat16", 64, v41_cache_spec(DEEPSEEK_V41_FLASH, CacheFormat("fp8"))
-    )
-    ours = LayoutFingerprint.of("v41", "bfloat16", 64, v41_cache_spec(DEEPSEEK_V41_FLASH))
-    handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 100, 64, 2 + fp8.state_blocks, fp8, 0.0)
+    spec = v41_cache_spec(DEEPSEEK_V41_FLASH, CacheFormat(kv_cache_dtype))
+    return LayoutFingerprint.of("v41", "bfloat16", 64, spec)
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours", "why"),
+    [
+        # a V4 prefill worker's handle (three paged groups and a state slot) at a V3 decode
+        # worker (one latent group)
+        (_v4_flash, lambda: LAYOUT, r"csa_kv.*state swa.*this one latent.*kinds of model"),
+        # V4.1 prefill with --kv-cache-dtype fp8, decode without
+        (
+            lambda: _v41_flash("fp8"),
+            lambda: _v41_flash("auto"),
+            r"exporter's cache is FP8.*same --kv-cache-dtype",
+        ),
+    ],
+    ids=["v4-at-v3", "fp8-at-bf16"],
+)
+def test_a_handle_of_another_layout_is_refused_saying_why(
+    theirs: Callable[[], LayoutFingerprint], ours: Callable[[], LayoutFingerprint], why: str
+) -> None:
+    """Refused before any byte, with a message that says what differs."""
+    layout = theirs()
+    handle = KvHandle("t", "prefill-0", "127.0.0.1", 1, 200, layout.block_size, 4, layout, 0.0)
     cache = torch.zeros(LAYERS, BLOCKS, BS, DIM)
     kv = KVCacheManager(BLOCKS, BS)
-    imp = KvImporter(create_transport("local"), cache, kv, ours)
-    with pytest.raises(LayoutMismatch, match=r"exporter's cache is FP8.*same --kv-cache-dtype"):
+    imp = KvImporter(create_transport("local"), cache, kv, ours())
+    with pytest.raises(LayoutMismatch, match=why):
         asyncio.run(_pull_once(imp, handle))
     assert kv.usage()["in_use"] == 0
 

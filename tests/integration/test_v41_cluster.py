@@ -18,27 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from ferry.protos import (
-    decode_worker_pb2,
-    decode_worker_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
 from ferry.services.common.convert import sampling_params_to_pb
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.engine.model.full_size import DEEPSEEK_V4_FLASH
 from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
-from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
-from ferry.services.worker.convert import kv_handle_to_pb
-from tests.cluster import Cluster, ferry_up, generate, generate_twice, greedy
+from ferry.services.kv_transfer.handle import LayoutFingerprint
+from tests.cluster import (
+    Cluster,
+    ferry_up,
+    generate,
+    generate_twice,
+    greedy,
+    kill_its_decode_worker,
+    refused_handle,
+)
 
 pytestmark = pytest.mark.slow  # ~1 min a cache dtype: `make test-slow`
 
@@ -124,28 +123,8 @@ def test_a_repeated_prompt_hits_the_prefill_workers_snapshot(
 def test_a_decode_worker_refuses_a_deepseek_v4_handle(cluster: Cluster) -> None:
     """A handle whose layout is V4-Flash's (CSA and HCA groups) is refused before any byte
     moves, with a message that says the two workers serve different kinds of model."""
-    (prefill,) = cluster.views("prefill")
-    host, port = prefill.record.kv_address.rsplit(":", 1)
     v4 = LayoutFingerprint.of("v4-model", "float32", 64, v4_cache_spec(DEEPSEEK_V4_FLASH))
-    handle = KvHandle("t-v4", "prefill-v4", host, int(port), 20, 64, 1, v4, time.time() + 30)
-    decoder = cluster.views("decode")[0]
-
-    async def call() -> grpc.aio.AioRpcError:
-        async with grpc.aio.insecure_channel(decoder.record.address) as ch:
-            stub = decode_worker_pb2_grpc.DecodeWorkerStub(ch)
-            request = decode_worker_pb2.DecodeRequest(
-                request_id="v4-handle",
-                prompt_token_ids=list(range(1, 21)),
-                sampling_params=greedy(4),
-                first_token_id=7,
-                kv_handle=kv_handle_to_pb(handle),
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in stub.Decode(request, timeout=10):
-                    pass
-            return e.value
-
-    err = asyncio.run(call())
+    err = refused_handle(cluster, v4)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = err.details() or ""
     assert "different kinds of model" in details and "csa_kv" in details and "kv_r2" in details
@@ -162,30 +141,8 @@ def test_a_request_whose_decode_worker_is_killed_moves_on(
     if kv_cache_dtype == "fp8":
         pytest.skip("recomputed in one chunk, FP8's rounding may differ (the module docstring)")
     prompt, n = PROMPTS[1], 100
-
-    async def main() -> tuple[list[int], int, str]:
-        sent_at = time.time()
-        killed_after, victim = 0, ""
-        tokens: list[int] = []
-        async with grpc.aio.insecure_channel(cluster.scheduler) as ch:
-            stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            call = stub.Generate(
-                scheduler_pb2.GenerateRequest(
-                    request_id="moved",
-                    prompt_token_ids=prompt,
-                    sampling_params=sampling_params_to_pb(_greedy(n)),
-                ),
-                timeout=120,
-            )
-            async for chunk in call:
-                tokens += chunk.token_ids
-                if not killed_after and len(tokens) >= 20:
-                    victim = await asyncio.to_thread(cluster.streaming_decode_worker, sent_at)
-                    cluster.signal(victim, signal.SIGKILL)
-                    killed_after = len(tokens)
-        return tokens, killed_after, victim
-
-    tokens, killed_after, victim = asyncio.run(asyncio.wait_for(main(), 150))
+    params = sampling_params_to_pb(_greedy(n))
+    tokens, killed_after, victim = kill_its_decode_worker(cluster, prompt, params, after=20)
     assert killed_after < n - 50, killed_after  # killed mid-stream
     assert tokens == engine.generate([prompt], _greedy(n))[0].token_ids
     assert cluster.logged(MIGRATING)

@@ -10,25 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from ferry.protos import (
-    decode_worker_pb2,
-    decode_worker_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
 from ferry.services.common.convert import sampling_params_to_pb
 from ferry.services.engine import Engine, EngineConfig, SamplingParams
-from ferry.services.kv_transfer.handle import KvHandle, LayoutFingerprint
-from ferry.services.worker.convert import kv_handle_to_pb
-from tests.cluster import Cluster, ferry_up, generate, generate_twice, greedy
+from ferry.services.kv_transfer.handle import LayoutFingerprint
+from tests.cluster import (
+    Cluster,
+    ferry_up,
+    generate,
+    generate_twice,
+    greedy,
+    kill_its_decode_worker,
+    refused_handle,
+)
 
 pytestmark = pytest.mark.slow  # ~4 min: `make test-slow`
 
@@ -119,28 +118,7 @@ def test_a_repeated_prompt_hits_the_prefill_workers_snapshot(
 def test_a_decode_worker_refuses_a_deepseek_v3_handle(cluster: Cluster) -> None:
     """A handle whose layout is one latent group (a V3 prefill worker's) is refused before any
     byte moves, with a message that says the two workers serve different kinds of model."""
-    (prefill,) = cluster.views("prefill")
-    host, port = prefill.record.kv_address.rsplit(":", 1)
-    v3 = LayoutFingerprint.latent("v3-model", "float32", 4, 576, 64)
-    handle = KvHandle("t-v3", "prefill-v3", host, int(port), 20, 64, 1, v3, time.time() + 30)
-    decoder = next(v for v in cluster.views("decode"))
-
-    async def call() -> grpc.aio.AioRpcError:
-        async with grpc.aio.insecure_channel(decoder.record.address) as ch:
-            stub = decode_worker_pb2_grpc.DecodeWorkerStub(ch)
-            request = decode_worker_pb2.DecodeRequest(
-                request_id="v3-handle",
-                prompt_token_ids=list(range(1, 21)),
-                sampling_params=greedy(4),
-                first_token_id=7,
-                kv_handle=kv_handle_to_pb(handle),
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in stub.Decode(request, timeout=10):
-                    pass
-            return e.value
-
-    err = asyncio.run(call())
+    err = refused_handle(cluster, LayoutFingerprint.latent("v3-model", "float32", 4, 576, 64))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "different kinds of model" in (err.details() or "")
     assert "latent" in (err.details() or "") and "csa_kv" in (err.details() or "")
@@ -152,30 +130,8 @@ def test_a_request_whose_decode_worker_is_killed_moves_on(cluster: Cluster, engi
     prefilled again with what it had generated (its state recomputed from the tokens) and
     decoded on the other worker; the client gets the tokens of a request that never moved."""
     prompt, n = PROMPTS[1], 100
-
-    async def main() -> tuple[list[int], int, str]:
-        sent_at = time.time()
-        killed_after, victim = 0, ""
-        tokens: list[int] = []
-        async with grpc.aio.insecure_channel(cluster.scheduler) as ch:
-            stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            call = stub.Generate(
-                scheduler_pb2.GenerateRequest(
-                    request_id="moved",
-                    prompt_token_ids=prompt,
-                    sampling_params=sampling_params_to_pb(_greedy(n)),
-                ),
-                timeout=120,
-            )
-            async for chunk in call:
-                tokens += chunk.token_ids
-                if not killed_after and len(tokens) >= 20:
-                    victim = await asyncio.to_thread(cluster.streaming_decode_worker, sent_at)
-                    cluster.signal(victim, signal.SIGKILL)
-                    killed_after = len(tokens)
-        return tokens, killed_after, victim
-
-    tokens, killed_after, victim = asyncio.run(asyncio.wait_for(main(), 150))
+    params = sampling_params_to_pb(_greedy(n))
+    tokens, killed_after, victim = kill_its_decode_worker(cluster, prompt, params, after=20)
     assert killed_after < n - 50, killed_after  # killed mid-stream
     assert tokens == engine.generate([prompt], _greedy(n))[0].token_ids
     assert cluster.logged(MIGRATING)
