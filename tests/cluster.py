@@ -424,3 +424,22 @@ def kill_its_decode_worker(
         return tokens, killed_after, victim
 
     return asyncio.run(asyncio.wait_for(main(), 150))
+
+
+def completion_text(c: Cluster, model: str, prompt: list[int], max_tokens: int) -> str:
+    """``prompt``'s greedy completion (EOS ignored) through the REST API: its text."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        c.gateway + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text: str = json.loads(r.read())["choices"][0]["text"]
+    return text

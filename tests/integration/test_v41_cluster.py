@@ -17,8 +17,6 @@ mid-stream (its tokens prefilled again as one chunk) is compared with the model'
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -31,6 +29,7 @@ from ferry.services.engine.model.v4.kv_cache import v4_cache_spec
 from ferry.services.kv_transfer.handle import LayoutFingerprint
 from tests.cluster import (
     Cluster,
+    completion_text,
     ferry_up,
     generate,
     generate_twice,
@@ -74,26 +73,15 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _complete(cluster: Cluster, prompt: list[int]) -> str:
-    body = {"model": "v41-tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
-    body["ignore_eos"] = True
-    req = urllib.request.Request(
-        cluster.gateway + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        text: str = json.loads(r.read())["choices"][0]["text"]
-    return text
-
-
 def test_greedy_outputs_through_p_d_equal_the_in_process_engine(
     cluster: Cluster, engine: Engine, kv_cache_dtype: str
 ) -> None:
     """One at a time through the REST API (its text), then all at once through the scheduler
     (their token ids; under FP8 their lengths: see the module's docstring)."""
     want = [engine.generate([p], _greedy(TOKENS))[0] for p in PROMPTS]
-    assert [_complete(cluster, p) for p in PROMPTS] == [w.text for w in want]
+    assert [completion_text(cluster, "v41-tiny", p, TOKENS) for p in PROMPTS] == [
+        w.text for w in want
+    ]
 
     async def together() -> list[list[int]]:
         rs = await asyncio.gather(

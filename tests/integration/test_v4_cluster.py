@@ -9,8 +9,6 @@ killed moves on. After each test every KV block and state slot is free on every 
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -21,6 +19,7 @@ from ferry.services.engine import Engine, EngineConfig, SamplingParams
 from ferry.services.kv_transfer.handle import LayoutFingerprint
 from tests.cluster import (
     Cluster,
+    completion_text,
     ferry_up,
     generate,
     generate_twice,
@@ -67,26 +66,13 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _complete(cluster: Cluster, prompt: list[int]) -> dict[str, object]:
-    body = {"model": "v4-tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
-    body["ignore_eos"] = True
-    req = urllib.request.Request(
-        cluster.gateway + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        reply: dict[str, object] = json.loads(r.read())
-    return reply
-
-
 def test_greedy_outputs_through_p_d_equal_the_in_process_engine(
     cluster: Cluster, engine: Engine
 ) -> None:
     """One at a time through the REST API (its text), then all at once through the scheduler
     (their token ids): the decode workers continue from the transferred state exactly."""
     want = [engine.generate([p], _greedy(TOKENS))[0] for p in PROMPTS]
-    texts = [_complete(cluster, p)["choices"][0]["text"] for p in PROMPTS]  # type: ignore[index]
+    texts = [completion_text(cluster, "v4-tiny", p, TOKENS) for p in PROMPTS]
     assert texts == [w.text for w in want]
 
     async def together() -> list[list[int]]:

@@ -30,7 +30,7 @@ from ferry.services.common.log import get_logger
 from ferry.services.common.tokenizer import write_byte_tokenizer_json
 from ferry.services.engine.experts import ExpertPlacement
 from ferry.services.engine.model.causal_lm import MoECausalLM
-from ferry.services.engine.model.config import E2M1, FP4_BLOCK, ConfigError
+from ferry.services.engine.model.config import FP4_BLOCK, ConfigError
 from ferry.services.engine.model.moe import MoE
 from ferry.services.engine.model.presets import PRESETS, Preset
 from ferry.services.engine.model.registry import (
@@ -39,6 +39,7 @@ from ferry.services.engine.model.registry import (
     config_from_hf_dict,
     family_of,
 )
+from ferry.services.engine.model.v41.quant import fp4_dequant, quantize_fp4, quantize_fp8_blocks
 
 log = get_logger(__name__)
 
@@ -217,11 +218,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, name: str, file: s
             f"{file}: '{name}' has shape {list(scale.shape)}, expected "
             f"[{rows}, {math.ceil(cols / FP4_BLOCK)}] for FP4 in blocks of {FP4_BLOCK}"
         )
-    codes = packed.view(torch.uint8).to(torch.int64)
-    codes = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(rows, cols)  # low nibble first
-    table = torch.tensor([*E2M1, *(-v for v in E2M1)])
-    tiles = scale.float().repeat_interleave(FP4_BLOCK, 1)[:, :cols]
-    return table[codes] * tiles
+    return fp4_dequant(packed, scale, FP4_BLOCK)
 
 
 def _shard_map(path: Path) -> dict[str, str]:
@@ -451,9 +448,6 @@ def _released(
 ) -> dict[str, torch.Tensor]:
     """Ferry's float32 tensor ``name`` as the released checkpoint stores it, by stored name:
     the weight, and for FP8 and FP4 its E8M0 scales ``X.scale`` beside ``X.weight``."""
-    # NOTE: imported here: quant reads this module's FP4 constants
-    from ferry.services.engine.model.v41.quant import quantize_fp4, quantize_fp8_blocks
-
     stored = names.stored_name(name)
     kind = _stored_as(name, config)
     if kind == FP8:

@@ -104,6 +104,9 @@ class PagedHistory(History):
         self.snapshots = snapshots
         self.config = cache.config
         self._added: dict[int, int] = {}  # entries this chunk wrote, per source
+        # what a source's entries and keys read back as, until it adds more: its consumer
+        # layers and index sources read the same rows (under FP8, each read decodes them all)
+        self._reads: dict[tuple[str, int], torch.Tensor] = {}
 
     def _ring(self, name: str, layer: int) -> torch.Tensor:
         return self.cache.tensors[name][layer, self.slot]  # [rows, dim]
@@ -158,9 +161,12 @@ class PagedHistory(History):
         return (fmt.entries, c.head_dim) if kind == "kv" else (fmt.index, c.index_head_dim)
 
     def _read(self, kind: str, source: int) -> torch.Tensor:
-        block, at = self._locate(source, torch.arange(self._count(source)))
-        codec, n = self._kind(kind)
-        return self._load(codec, self._group(kind, source)[block, at], n)
+        if (kind, source) not in self._reads:
+            block, at = self._locate(source, torch.arange(self._count(source)))
+            codec, n = self._kind(kind)
+            stored = self._group(kind, source)[block, at]
+            self._reads[kind, source] = self._load(codec, stored, n)
+        return self._reads[kind, source]
 
     def add_entries(self, source: int, entries: torch.Tensor, keys: torch.Tensor) -> None:
         n = self._count(source)
@@ -168,6 +174,8 @@ class PagedHistory(History):
         for kind, new in (("kv", entries), ("index", keys)):
             self._group(kind, source)[block, at] = self._store(self._kind(kind)[0], new)
         self._added[source] = self._added.get(source, 0) + len(entries)
+        for kind in ("kv", "index"):
+            self._reads.pop((kind, source), None)
 
     def open_rows(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         r = self.config.ratio(source)
@@ -201,4 +209,4 @@ class PagedHistory(History):
 
     def end(self) -> None:
         super().end()
-        self._added = {}
+        self._added, self._reads = {}, {}
